@@ -1,0 +1,5 @@
+import sys
+
+from mcore_compat.cli import main
+
+sys.exit(main())
