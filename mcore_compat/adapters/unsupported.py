@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, NoReturn
+from typing import Any
 
 from mcore_compat.adapters.base import PackedBatch, PackingAdapter, WrapResult
 from mcore_compat.capabilities import Capabilities
@@ -26,14 +26,12 @@ class UnsupportedAdapter(PackingAdapter):
             "no adapter of mcore-compat supports this Megatron-Core"
         )
 
-    def _refuse(self, model_config: Any) -> NoReturn:
-        self.require_runnable(model_config)
-        raise ValueError(self.probe(str(model_config.sequence_packing_scheduler)))
-
     def wrap(self, data_iterator: Any, model_config: Any, num_microbatches: int, pg_collection: Any) -> WrapResult:
-        self._refuse(model_config)
+        self.require_runnable(model_config)
+        raise AssertionError("UnsupportedAdapter.probe never returns None")
 
     def get_batch(
         self, data_iterator: Any, model_config: Any, *, pg_collection: Any, vp_stage: int | None
     ) -> PackedBatch:
-        self._refuse(model_config)
+        self.require_runnable(model_config)
+        raise AssertionError("UnsupportedAdapter.probe never returns None")
