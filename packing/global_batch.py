@@ -1,0 +1,208 @@
+"""The per-sample data contract of global-batch packing.
+
+Megatron-Core's packing scheduler consumes *unpacked* samples: one dict per sequence, delivered
+unstacked (micro-batch size 1, identity collate), each with these keys:
+
+- ``tokens``           int64   [L]  input ids, padded with the pad token
+- ``labels``           int64   [L]  target ids
+- ``loss_mask``        float32 [L]  0 on padding
+- ``position_ids``     int64   [L]  ``0 .. L-1``
+- ``original_seq_len`` int32   [1]  the real length
+- ``padded_seq_len``   int32   [1]  ``L``, a multiple of :func:`alignment_multiple`
+
+Only torch is needed here; nothing in this module touches Megatron-Core.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+__all__ = [
+    "LENGTH_KEYS",
+    "REQUIRED_SAMPLE_KEYS",
+    "SAMPLE_DTYPES",
+    "TOKEN_KEYS",
+    "UnpackedSample",
+    "alignment_multiple",
+    "build_unpacked_sequence_sample",
+    "fold_alignment_padding",
+    "identity_collate",
+    "make_unpacked_collate",
+    "validate_unpacked_sample",
+]
+
+UnpackedSample = dict[str, torch.Tensor]
+
+TOKEN_KEYS: tuple[str, ...] = ("tokens", "labels", "loss_mask", "position_ids")
+LENGTH_KEYS: tuple[str, ...] = ("original_seq_len", "padded_seq_len")
+REQUIRED_SAMPLE_KEYS: tuple[str, ...] = TOKEN_KEYS + LENGTH_KEYS
+SAMPLE_DTYPES: dict[str, torch.dtype] = {
+    "tokens": torch.int64,
+    "labels": torch.int64,
+    "loss_mask": torch.float32,
+    "position_ids": torch.int64,
+    "original_seq_len": torch.int32,
+    "padded_seq_len": torch.int32,
+}
+_BUILD_HINT = "build samples with packing.global_batch.build_unpacked_sequence_sample"
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r}: pass a positive int")
+    return value
+
+
+def alignment_multiple(*, dynamic_cp: bool, dp: int, cp: int, tp: int, sequence_parallel: bool) -> int:
+    """The multiple every sample's padded length must be, for this parallel layout.
+
+    Static CP (``dp_balanced``): the least common multiple of ``2*cp`` (1 when ``cp == 1``) and,
+    with sequence parallelism, ``cp*tp``. Dynamic CP: ``2*dp*cp``, times ``tp`` with sequence
+    parallelism, because a bin may run on any CP group size up to the whole DP x CP pool.
+    """
+    dp, cp, tp = _positive_int("dp", dp), _positive_int("cp", cp), _positive_int("tp", tp)
+    if dynamic_cp:
+        return 2 * dp * cp * (tp if sequence_parallel else 1)
+    multiple = 2 * cp if cp > 1 else 1
+    return math.lcm(multiple, cp * tp) if sequence_parallel else multiple
+
+
+def _as_1d(name: str, values: Sequence[Any] | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    tensor = torch.as_tensor(values)
+    if tensor.dim() != 1:
+        raise ValueError(f"{name} has shape {tuple(tensor.shape)}: pass one sequence as a 1-D list or tensor")
+    if dtype == torch.int64 and tensor.numel() and (tensor.is_floating_point() or tensor.dtype == torch.bool):
+        raise ValueError(f"{name} has dtype {tensor.dtype}: pass integer token ids")
+    return tensor.to(dtype)
+
+
+def build_unpacked_sequence_sample(
+    tokens: Sequence[int] | torch.Tensor,
+    labels: Sequence[int] | torch.Tensor,
+    loss_mask: Sequence[float] | torch.Tensor,
+    *,
+    pad_to_multiple_of: int,
+    pad_token_id: int,
+    ignore_label_id: int | None = None,
+) -> UnpackedSample:
+    """One contract-conforming sample, padded up to a multiple of ``pad_to_multiple_of``.
+
+    Tokens are padded with ``pad_token_id``, labels with ``ignore_label_id`` (``pad_token_id`` when
+    None) and ``loss_mask`` with 0; ``position_ids`` run ``0 .. L-1`` over the padded length.
+    """
+    multiple = _positive_int("pad_to_multiple_of", pad_to_multiple_of)
+    tokens_t = _as_1d("tokens", tokens, torch.int64)
+    labels_t = _as_1d("labels", labels, torch.int64)
+    mask_t = _as_1d("loss_mask", loss_mask, torch.float32)
+    length = tokens_t.numel()
+    if length == 0:
+        raise ValueError("tokens is empty: a sample needs at least one token; drop empty sequences before packing")
+    if labels_t.numel() != length or mask_t.numel() != length:
+        raise ValueError(
+            f"len(tokens)={length}, len(labels)={labels_t.numel()}, len(loss_mask)={mask_t.numel()}: "
+            "pass labels and loss_mask aligned one-to-one with tokens"
+        )
+    padded = -(-length // multiple) * multiple
+    pad = padded - length
+    label_pad = pad_token_id if ignore_label_id is None else ignore_label_id
+    device = tokens_t.device
+    return {
+        "tokens": torch.cat([tokens_t, torch.full((pad,), pad_token_id, dtype=torch.int64, device=device)]),
+        "labels": torch.cat([labels_t, torch.full((pad,), label_pad, dtype=torch.int64, device=device)]),
+        "loss_mask": torch.cat([mask_t, torch.zeros(pad, dtype=torch.float32, device=device)]),
+        "position_ids": torch.arange(padded, dtype=torch.int64, device=device),
+        "original_seq_len": torch.tensor([length], dtype=torch.int32, device=device),
+        "padded_seq_len": torch.tensor([padded], dtype=torch.int32, device=device),
+    }
+
+
+def validate_unpacked_sample(sample: Mapping[str, Any], *, pad_to_multiple_of: int | None = None) -> None:
+    """Raise ``ValueError`` naming the key, what is wrong and the fix if ``sample`` breaks the contract.
+
+    Extra keys are allowed (Megatron-Core dev drops them before rerouting). With
+    ``pad_to_multiple_of`` the padded length must also be a multiple of it.
+    """
+    if not isinstance(sample, Mapping):
+        raise ValueError(
+            f"sample is a {type(sample).__name__}: the scheduler takes one dict per sequence; {_BUILD_HINT}"
+        )
+    missing = [key for key in REQUIRED_SAMPLE_KEYS if key not in sample]
+    if missing:
+        raise ValueError(f"sample is missing {missing}: every sample needs {list(REQUIRED_SAMPLE_KEYS)}; {_BUILD_HINT}")
+    for key in REQUIRED_SAMPLE_KEYS:
+        value = sample[key]
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"sample[{key!r}] is a {type(value).__name__}: make it a torch.Tensor; {_BUILD_HINT}")
+        if value.dtype != SAMPLE_DTYPES[key]:
+            raise ValueError(
+                f"sample[{key!r}].dtype={value.dtype}: convert it with .to({SAMPLE_DTYPES[key]}); {_BUILD_HINT}"
+            )
+    for key in TOKEN_KEYS:
+        if sample[key].dim() != 1:
+            raise ValueError(
+                f"sample[{key!r}].shape={tuple(sample[key].shape)}: make it 1-D [L] (unstacked, no batch "
+                "dimension; use packing.global_batch.identity_collate)"
+            )
+    for key in LENGTH_KEYS:
+        if tuple(sample[key].shape) != (1,):
+            raise ValueError(
+                f"sample[{key!r}].shape={tuple(sample[key].shape)}: make it shape [1], e.g. "
+                f"torch.tensor([n], dtype=torch.int32); {_BUILD_HINT}"
+            )
+    length = sample["tokens"].numel()
+    for key in TOKEN_KEYS[1:]:
+        if sample[key].numel() != length:
+            raise ValueError(
+                f"sample[{key!r}] has length {sample[key].numel()} but sample['tokens'] has {length}: "
+                f"pad every [L] tensor to the same length; {_BUILD_HINT}"
+            )
+    padded = int(sample["padded_seq_len"].item())
+    if padded != length:
+        raise ValueError(f"sample['padded_seq_len']=[{padded}]: set it to the tensor length L={length}")
+    original = int(sample["original_seq_len"].item())
+    if not 1 <= original <= padded:
+        raise ValueError(
+            f"sample['original_seq_len']=[{original}]: set it to the real token count, between 1 and "
+            f"padded_seq_len={padded}"
+        )
+    if not torch.equal(sample["position_ids"].cpu(), torch.arange(length, dtype=torch.int64)):
+        raise ValueError(f"sample['position_ids'] is not 0..{length - 1}: set it to torch.arange(L)")
+    if pad_to_multiple_of is not None and length % _positive_int("pad_to_multiple_of", pad_to_multiple_of):
+        raise ValueError(
+            f"sample['padded_seq_len']=[{padded}] is not a multiple of {pad_to_multiple_of}: pad every sample "
+            f"to a multiple of the alignment multiple (dataset.global_batch_packing_pad_to_multiple_of); "
+            f"{_BUILD_HINT}"
+        )
+
+
+def fold_alignment_padding(sample: Mapping[str, Any]) -> UnpackedSample:
+    """A copy of ``sample`` whose ``original_seq_len`` equals ``padded_seq_len``.
+
+    Packed bins then carry no padding between sequences (FlashAttention needs this at head_dim 256,
+    e.g. Qwen3.5); the padding keeps ``loss_mask`` 0, so it adds no loss.
+    """
+    if "padded_seq_len" not in sample:
+        raise ValueError(f"sample has no 'padded_seq_len': fold only contract samples; {_BUILD_HINT}")
+    folded = dict(sample)
+    folded["original_seq_len"] = sample["padded_seq_len"].clone()
+    return folded
+
+
+def identity_collate(batch: Sequence[Any]) -> list[Any]:
+    """Return the loader's samples unstacked, as the list of dicts the scheduler expects."""
+    return list(batch)
+
+
+def make_unpacked_collate(fold_padding: bool) -> Callable[[Sequence[Mapping[str, Any]]], list[Any]]:
+    """The collate for global-batch packing: identity, folding alignment padding when asked."""
+    if not fold_padding:
+        return identity_collate
+
+    def collate(batch: Sequence[Mapping[str, Any]]) -> list[Any]:
+        return [fold_alignment_padding(sample) for sample in batch]
+
+    return collate

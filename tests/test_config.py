@@ -1,0 +1,580 @@
+"""Configuration rules of global-batch packing (``packing.config``), one table row per rule."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+import packing
+from packing.config import CONFIG_DEFAULTS, validate_global_batch_packing
+
+REPO = Path(__file__).resolve().parents[1]
+DROP = object()
+
+BASE: dict[str, dict[str, Any]] = {
+    "model": {
+        "tensor_model_parallel_size": 1,
+        "context_parallel_size": 2,
+        "pipeline_model_parallel_size": 1,
+        "data_parallel_size": 2,
+        "sequence_parallel": False,
+        "max_seqlen_per_dp_cp_rank": 2048,
+        "seq_length": 4096,
+        "calculate_per_token_loss": True,
+    },
+    "dataset": {
+        "enable_global_batch_packing": True,
+        "yields_unpacked_samples": True,
+        "seq_length": 4096,
+        "dataloader_type": "single",
+    },
+    "train": {"micro_batch_size": 1},
+    "ddp": {"average_in_collective": False},
+}
+
+
+def make_cfg(overrides: dict[str, Any] | None = None) -> SimpleNamespace:
+    """A valid static-CP config (tp1 cp2 dp2, 4096 tokens) with dotted overrides; DROP removes a field."""
+    parts = {name: dict(fields) for name, fields in BASE.items()}
+    for dotted, value in (overrides or {}).items():
+        part, name = dotted.split(".")
+        parts.setdefault(part, {})
+        if value is DROP:
+            parts[part].pop(name, None)
+        else:
+            parts[part][name] = value
+    return SimpleNamespace(**{name: SimpleNamespace(**fields) for name, fields in parts.items()})
+
+
+DYNAMIC = {"model.dynamic_context_parallel": True, "model.max_seqlen_per_dp_cp_rank": 1024}
+
+
+@pytest.fixture(autouse=True)
+def probe_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, bool]]:
+    """Rule tests stand the probe in with one that accepts everything and records its calls."""
+    calls: list[tuple[str, bool]] = []
+
+    def probe(scheduler: str, *, dynamic_cp: bool = False) -> str | None:
+        calls.append((scheduler, dynamic_cp))
+        return None
+
+    monkeypatch.setattr(packing, "probe_global_batch_packing_support", probe)
+    return calls
+
+
+# -- configurations that pass -------------------------------------------------------------------
+
+VALID = [
+    # name, overrides, scheduler written, pad multiple written
+    ("static-cp2", {}, "dp_balanced", 4),
+    ("static-cp1", {"model.context_parallel_size": 1, "model.max_seqlen_per_dp_cp_rank": 4096}, "dp_balanced", 1),
+    ("static-cp2-tp2-sp", {"model.tensor_model_parallel_size": 2, "model.sequence_parallel": True}, "dp_balanced", 4),
+    ("static-cp2-tp4-sp", {"model.tensor_model_parallel_size": 4, "model.sequence_parallel": True}, "dp_balanced", 8),
+    ("static-tp4-no-sp", {"model.tensor_model_parallel_size": 4}, "dp_balanced", 4),
+    ("static-no-dp-size", {"model.data_parallel_size": DROP}, "dp_balanced", 4),
+    ("explicit-scheduler", {"model.sequence_packing_scheduler": "dp_balanced"}, "dp_balanced", 4),
+    ("cyclic-loader", {"dataset.dataloader_type": "cyclic"}, "dp_balanced", 4),
+    ("loader-unset", {"dataset.dataloader_type": DROP}, "dp_balanced", 4),
+    ("loader-none", {"dataset.dataloader_type": None}, "dp_balanced", 4),
+    ("capacity-exact", {"model.max_seqlen_per_dp_cp_rank": 2048}, "dp_balanced", 4),
+    ("capacity-large", {"model.max_seqlen_per_dp_cp_rank": 8192}, "dp_balanced", 4),
+    ("dataset-shorter", {"dataset.seq_length": 2048}, "dp_balanced", 4),
+    ("only-dataset-length", {"model.seq_length": DROP}, "dp_balanced", 4),
+    ("only-model-length", {"dataset.seq_length": DROP}, "dp_balanced", 4),
+    ("no-ddp-part", {"ddp.average_in_collective": DROP}, "dp_balanced", 4),
+    ("energon-off", {"dataset.packing_buffer_size": None}, "dp_balanced", 4),
+    (
+        "other-modes-off",
+        {"dataset.enable_offline_packing": False, "dataset.enable_in_batch_packing": False},
+        "dp_balanced",
+        4,
+    ),
+    ("cuda-graph-none", {"model.cuda_graph_impl": "none", "model.enable_cuda_graph": False}, "dp_balanced", 4),
+    ("dynamic-dp2-cp2", DYNAMIC, "default_dynamic_cp", 8),
+    (
+        "dynamic-dp2-cp2-tp2-sp",
+        DYNAMIC | {"model.tensor_model_parallel_size": 2, "model.sequence_parallel": True},
+        "default_dynamic_cp",
+        16,
+    ),
+    (
+        "dynamic-dp4-cp1",
+        DYNAMIC | {"model.data_parallel_size": 4, "model.context_parallel_size": 1},
+        "default_dynamic_cp",
+        8,
+    ),
+    (
+        "dynamic-dp1-cp2",
+        DYNAMIC | {"model.data_parallel_size": 1, "model.max_seqlen_per_dp_cp_rank": 2048},
+        "default_dynamic_cp",
+        4,
+    ),
+    ("dynamic-min-pool", DYNAMIC | {"model.min_dynamic_context_parallel_size": 4}, "default_dynamic_cp", 8),
+    ("dynamic-min-2", DYNAMIC | {"model.min_dynamic_context_parallel_size": 2}, "default_dynamic_cp", 8),
+    ("dynamic-explicit", DYNAMIC | {"model.sequence_packing_scheduler": "default_dynamic_cp"}, "default_dynamic_cp", 8),
+    ("dynamic-dist-off", DYNAMIC | {"dist.use_decentralized_pg": False}, "default_dynamic_cp", 8),
+]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "scheduler", "multiple"), [row[1:] for row in VALID], ids=[row[0] for row in VALID]
+)
+def test_valid_config_gets_its_defaults_written(
+    overrides: dict[str, Any], scheduler: str, multiple: int, probe_calls: list[tuple[str, bool]]
+) -> None:
+    cfg = make_cfg(overrides)
+    assert validate_global_batch_packing(cfg) is True
+    assert cfg.model.sequence_packing_scheduler == scheduler
+    assert cfg.dataset.global_batch_packing_pad_to_multiple_of == multiple
+    assert probe_calls == [(scheduler, scheduler == "default_dynamic_cp")]
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        SimpleNamespace(),
+        SimpleNamespace(model=SimpleNamespace(), dataset=SimpleNamespace()),
+        make_cfg({"dataset.enable_global_batch_packing": False}),
+        make_cfg({"dataset.enable_global_batch_packing": DROP, "model.pipeline_model_parallel_size": 4}),
+    ],
+    ids=["empty", "empty-parts", "switch-off", "switch-missing-other-rules-ignored"],
+)
+def test_packing_off_checks_nothing_and_writes_nothing(cfg: SimpleNamespace, probe_calls: list) -> None:
+    before = repr(cfg)
+    assert validate_global_batch_packing(cfg) is False
+    assert repr(cfg) == before
+    assert probe_calls == []
+
+
+def test_defaults_table_matches_megatron_defaults() -> None:
+    """Missing attributes read as Megatron's defaults: nothing on, single sizes, no capacity."""
+    sizes = [k for k in CONFIG_DEFAULTS if k.endswith("_parallel_size") and "virtual" not in k and "data" not in k]
+    assert sizes and all(CONFIG_DEFAULTS[k] == 1 for k in sizes)
+    assert CONFIG_DEFAULTS["model.cuda_graph_impl"] == "none"
+    assert CONFIG_DEFAULTS["model.min_dynamic_context_parallel_size"] == 1
+    switches = [k for k, v in CONFIG_DEFAULTS.items() if isinstance(v, bool)]
+    assert all(CONFIG_DEFAULTS[k] is False for k in switches)
+
+
+# -- every rule, broken once: the message names the field, its value and the fix ----------------
+
+BAD = [
+    # name, overrides, fragments (the first is always ``field=value``)
+    # 1. global-batch packing excludes offline, in-batch and Energon packing
+    (
+        "offline",
+        {"dataset.enable_offline_packing": True},
+        ["dataset.enable_offline_packing=True", "set dataset.enable_offline_packing=False", "offline"],
+    ),
+    (
+        "in-batch",
+        {"dataset.enable_in_batch_packing": True},
+        ["dataset.enable_in_batch_packing=True", "set dataset.enable_in_batch_packing=False", "in-batch"],
+    ),
+    (
+        "energon",
+        {"dataset.packing_buffer_size": 64},
+        ["dataset.packing_buffer_size=64", "set dataset.packing_buffer_size=None", "Energon"],
+    ),
+    # 2. the dataset switch drives the scheduler
+    (
+        "scheduler-without-switch",
+        {"dataset.enable_global_batch_packing": False, "model.sequence_packing_scheduler": "dp_balanced"},
+        ["model.sequence_packing_scheduler='dp_balanced'", "set dataset.enable_global_batch_packing=True"],
+    ),
+    (
+        "scheduler-without-dataset-part",
+        {"dataset.enable_global_batch_packing": DROP, "model.sequence_packing_scheduler": "default_dynamic_cp"},
+        ["model.sequence_packing_scheduler='default_dynamic_cp'", "leave model.sequence_packing_scheduler=None"],
+    ),
+    (
+        "scheduler-not-a-name",
+        {"model.sequence_packing_scheduler": 3},
+        ["model.sequence_packing_scheduler=3", "scheduler name such as 'dp_balanced'"],
+    ),
+    # 4. unpacked samples
+    (
+        "packed-dataset",
+        {"dataset.yields_unpacked_samples": False},
+        [
+            "dataset.yields_unpacked_samples=False",
+            "set dataset.yields_unpacked_samples=True",
+            "'original_seq_len', 'padded_seq_len'",
+        ],
+    ),
+    (
+        "unflagged-dataset",
+        {"dataset.yields_unpacked_samples": DROP},
+        ["dataset.yields_unpacked_samples=False", "set dataset.yields_unpacked_samples=True"],
+    ),
+    # 9. loader type
+    (
+        "batch-loader",
+        {"dataset.dataloader_type": "batch"},
+        ["dataset.dataloader_type='batch'", "one of ['single', 'cyclic']"],
+    ),
+    (
+        "external-loader",
+        {"dataset.dataloader_type": "external"},
+        ["dataset.dataloader_type='external'", "one of ['single', 'cyclic']"],
+    ),
+    # 8. THD per-token-loss mode
+    ("micro-batch-2", {"train.micro_batch_size": 2}, ["train.micro_batch_size=2", "set train.micro_batch_size=1"]),
+    (
+        "micro-batch-unset",
+        {"train.micro_batch_size": DROP},
+        ["train.micro_batch_size=None", "set train.micro_batch_size=1"],
+    ),
+    (
+        "micro-batch-bool",
+        {"train.micro_batch_size": True},
+        ["train.micro_batch_size=True", "set train.micro_batch_size=1"],
+    ),
+    (
+        "no-per-token-loss",
+        {"model.calculate_per_token_loss": False},
+        ["model.calculate_per_token_loss=False", "set model.calculate_per_token_loss=True"],
+    ),
+    (
+        "per-token-loss-unset",
+        {"model.calculate_per_token_loss": DROP},
+        ["model.calculate_per_token_loss=False", "set model.calculate_per_token_loss=True"],
+    ),
+    (
+        "average-in-collective",
+        {"ddp.average_in_collective": True},
+        ["ddp.average_in_collective=True", "set ddp.average_in_collective=False"],
+    ),
+    (
+        "cuda-graph-impl",
+        {"model.cuda_graph_impl": "local"},
+        ["model.cuda_graph_impl='local'", "set model.cuda_graph_impl='none'"],
+    ),
+    (
+        "cuda-graph-te",
+        {"model.cuda_graph_impl": "transformer_engine"},
+        ["model.cuda_graph_impl='transformer_engine'", "set model.cuda_graph_impl='none'"],
+    ),
+    (
+        "enable-cuda-graph",
+        {"model.enable_cuda_graph": True},
+        ["model.enable_cuda_graph=True", "set model.enable_cuda_graph=False"],
+    ),
+    (
+        "pipeline",
+        {"model.pipeline_model_parallel_size": 2},
+        ["model.pipeline_model_parallel_size=2", "set model.pipeline_model_parallel_size=1"],
+    ),
+    # 10. unsupported model and parallel features
+    (
+        "virtual-pipeline",
+        {"model.virtual_pipeline_model_parallel_size": 2},
+        ["model.virtual_pipeline_model_parallel_size=2", "set model.virtual_pipeline_model_parallel_size=None"],
+    ),
+    (
+        "mamba-hybrid",
+        {"model.is_hybrid_model": True},
+        ["model.is_hybrid_model=True", "set model.is_hybrid_model=False"],
+    ),
+    (
+        "megatron-fsdp",
+        {"ddp.use_megatron_fsdp": True},
+        ["ddp.use_megatron_fsdp=True", "set ddp.use_megatron_fsdp=False"],
+    ),
+    # parallel sizes must be positive ints
+    ("cp-zero", {"model.context_parallel_size": 0}, ["model.context_parallel_size=0", "positive int"]),
+    ("tp-str", {"model.tensor_model_parallel_size": "2"}, ["model.tensor_model_parallel_size='2'", "positive int"]),
+    ("dp-negative", {"model.data_parallel_size": -2}, ["model.data_parallel_size=-2", "world size / (tp * cp * pp)"]),
+    # 11./12. explicit bin capacity, large enough for the longest sample (pool = cp)
+    (
+        "capacity-unset",
+        {"model.max_seqlen_per_dp_cp_rank": DROP},
+        ["model.max_seqlen_per_dp_cp_rank=None", "set it explicitly", "seq_length / cp = 2048"],
+    ),
+    (
+        "capacity-small",
+        {"model.max_seqlen_per_dp_cp_rank": 2000},
+        ["model.max_seqlen_per_dp_cp_rank=2000", "cp (2) x 2000 = 4000 tokens", "raise it to at least 2048"],
+    ),
+    (
+        "capacity-cp1",
+        {"model.context_parallel_size": 1},
+        ["model.max_seqlen_per_dp_cp_rank=2048", "cp (1) x 2048 = 2048", "at least 4096"],
+    ),
+    (
+        "capacity-str",
+        {"model.max_seqlen_per_dp_cp_rank": "2048"},
+        ["model.max_seqlen_per_dp_cp_rank='2048'", "positive int"],
+    ),
+    # 13. sequence lengths
+    (
+        "no-length",
+        {"model.seq_length": DROP, "dataset.seq_length": DROP},
+        ["model.seq_length=None", "set model.seq_length"],
+    ),
+    ("length-zero", {"model.seq_length": 0}, ["model.seq_length=0", "positive int"]),
+    (
+        "dataset-longer",
+        {"dataset.seq_length": 8192},
+        ["dataset.seq_length=8192", "lower dataset.seq_length to at most 4096"],
+    ),
+    # 14. lengths are multiples of the alignment multiple
+    (
+        "dataset-length-unaligned",
+        {"dataset.seq_length": 4094},
+        ["dataset.seq_length=4094", "multiple of 4", "e.g. 4092"],
+    ),
+    (
+        "model-length-unaligned",
+        {"dataset.seq_length": DROP, "model.seq_length": 4094},
+        ["model.seq_length=4094", "set model.seq_length to a multiple of 4"],
+    ),
+    (
+        "unaligned-sp",
+        {"model.tensor_model_parallel_size": 4, "model.sequence_parallel": True, "dataset.seq_length": 4092},
+        ["dataset.seq_length=4092", "multiple of 8", "e.g. 4088"],
+    ),
+    ("unaligned-dynamic", DYNAMIC | {"dataset.seq_length": 4092}, ["dataset.seq_length=4092", "multiple of 8"]),
+    # dynamic CP
+    (
+        "dynamic-not-bool",
+        {"model.dynamic_context_parallel": "yes"},
+        ["model.dynamic_context_parallel='yes'", "set it to True or False"],
+    ),
+    (
+        "dynamic-no-dp-size",
+        DYNAMIC | {"model.data_parallel_size": DROP},
+        ["model.data_parallel_size=None", "set model.data_parallel_size to world size / (tp * cp * pp)"],
+    ),
+    # D1. the DP x CP pool is a power of two >= 2
+    (
+        "D1-pool-1",
+        DYNAMIC
+        | {"model.data_parallel_size": 1, "model.context_parallel_size": 1, "model.max_seqlen_per_dp_cp_rank": 4096},
+        ["model.data_parallel_size=1", "= 1) to be a power of two >= 2"],
+    ),
+    (
+        "D1-pool-6",
+        DYNAMIC | {"model.data_parallel_size": 3},
+        ["model.data_parallel_size=3", "= 6) to be a power of two >= 2"],
+    ),
+    # D2. the minimum dynamic CP size is a power of two within the pool
+    (
+        "D2-not-power",
+        DYNAMIC | {"model.min_dynamic_context_parallel_size": 3},
+        ["model.min_dynamic_context_parallel_size=3", "power of two no larger than the DP x CP pool (4)"],
+    ),
+    (
+        "D2-above-pool",
+        DYNAMIC | {"model.min_dynamic_context_parallel_size": 8},
+        ["model.min_dynamic_context_parallel_size=8", "no larger than the DP x CP pool (4)"],
+    ),
+    (
+        "D2-zero",
+        DYNAMIC | {"model.min_dynamic_context_parallel_size": 0},
+        ["model.min_dynamic_context_parallel_size=0", "power of two"],
+    ),
+    # D3. process groups come from MCore's global parallel state
+    (
+        "D3-decentralized",
+        DYNAMIC | {"dist.use_decentralized_pg": True},
+        ["dist.use_decentralized_pg=True", "set dist.use_decentralized_pg=False"],
+    ),
+    # D4. capacity over the whole pool
+    (
+        "D4-capacity",
+        DYNAMIC | {"model.max_seqlen_per_dp_cp_rank": 1000},
+        ["model.max_seqlen_per_dp_cp_rank=1000", "dp x cp (4) x 1000 = 4000", "at least 1024"],
+    ),
+    (
+        "D4-capacity-unset",
+        DYNAMIC | {"model.max_seqlen_per_dp_cp_rank": DROP},
+        ["model.max_seqlen_per_dp_cp_rank=None", "seq_length / dp x cp = 1024"],
+    ),
+]
+
+
+@pytest.mark.parametrize(("overrides", "fragments"), [row[1:] for row in BAD], ids=[row[0] for row in BAD])
+def test_each_rule_names_the_field_the_value_and_the_fix(
+    overrides: dict[str, Any], fragments: list[str], probe_calls: list
+) -> None:
+    cfg = make_cfg(overrides)
+    before = repr(cfg)
+    with pytest.raises(ValueError) as err:
+        validate_global_batch_packing(cfg)
+    message = str(err.value)
+    assert message.startswith(fragments[0]), message
+    for fragment in fragments[1:]:
+        assert fragment in message, message
+    assert repr(cfg) == before, "a failed validation writes nothing"
+    assert probe_calls == [], "the pin is probed only once the config itself is valid"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "scheduler", "dynamic_cp"),
+    [({}, "dp_balanced", False), (DYNAMIC, "default_dynamic_cp", True)],
+    ids=["static", "dynamic"],
+)
+def test_probe_failure_is_raised_and_nothing_written(
+    monkeypatch: pytest.MonkeyPatch, overrides: dict[str, Any], scheduler: str, dynamic_cp: bool
+) -> None:
+    calls: list[tuple[str, bool]] = []
+
+    def refuse(name: str, *, dynamic_cp: bool = False) -> str:
+        calls.append((name, dynamic_cp))
+        return f"scheduler {name!r} is not registered; switch the pin"
+
+    monkeypatch.setattr(packing, "probe_global_batch_packing_support", refuse)
+    cfg = make_cfg(overrides)
+    with pytest.raises(ValueError) as err:
+        validate_global_batch_packing(cfg)
+    assert str(err.value) == (
+        f"model.sequence_packing_scheduler={scheduler!r} cannot run on the pinned Megatron-Core: "
+        f"scheduler {scheduler!r} is not registered; switch the pin"
+    )
+    assert calls == [(scheduler, dynamic_cp)]
+    assert not hasattr(cfg.model, "sequence_packing_scheduler")
+    assert not hasattr(cfg.dataset, "global_batch_packing_pad_to_multiple_of")
+
+
+def test_missing_model_part() -> None:
+    cfg = SimpleNamespace(dataset=make_cfg().dataset)
+    with pytest.raises(ValueError) as err:
+        validate_global_batch_packing(cfg)
+    assert "cfg.model is missing" in str(err.value) and "with .model and .dataset parts" in str(err.value)
+
+
+def test_model_class_without_the_scheduler_field() -> None:
+    """Rule 3: a TransformerConfig dataclass that predates the field (MLM main M1, G1 releases)."""
+
+    @dataclasses.dataclass
+    class OldTransformerConfig:
+        context_parallel_size: int = 2
+        max_seqlen_per_dp_cp_rank: int = 2048
+        seq_length: int = 4096
+        calculate_per_token_loss: bool = True
+
+    cfg = make_cfg()
+    cfg.model = OldTransformerConfig()
+    with pytest.raises(ValueError) as err:
+        validate_global_batch_packing(cfg)
+    message = str(err.value)
+    assert message.startswith("model.sequence_packing_scheduler: OldTransformerConfig has no such field")
+    assert "run `mcore-compat doctor` and switch to a pin" in message
+
+
+def test_dataclass_model_with_the_field_passes() -> None:
+    @dataclasses.dataclass
+    class NewTransformerConfig:
+        context_parallel_size: int = 2
+        max_seqlen_per_dp_cp_rank: int = 2048
+        seq_length: int = 4096
+        calculate_per_token_loss: bool = True
+        sequence_packing_scheduler: str | None = None
+
+    cfg = make_cfg()
+    cfg.model = NewTransformerConfig()
+    assert validate_global_batch_packing(cfg) is True
+    assert cfg.model.sequence_packing_scheduler == "dp_balanced"
+
+
+# -- against a real Megatron-Core ---------------------------------------------------------------
+
+_REAL_PROBE = """
+import json
+from types import SimpleNamespace as NS
+
+import mcore_compat
+from packing.config import validate_global_batch_packing
+
+out = {"generation": mcore_compat.detect().generation}
+for name, dynamic in (("static", False), ("dynamic", True)):
+    cfg = NS(
+        model=NS(context_parallel_size=2, data_parallel_size=2, dynamic_context_parallel=dynamic,
+                 max_seqlen_per_dp_cp_rank=2048, seq_length=4096, calculate_per_token_loss=True),
+        dataset=NS(enable_global_batch_packing=True, yields_unpacked_samples=True),
+        train=NS(micro_batch_size=1),
+    )
+    try:
+        validate_global_batch_packing(cfg)
+        out[name] = ["ok", cfg.model.sequence_packing_scheduler, cfg.dataset.global_batch_packing_pad_to_multiple_of]
+    except ValueError as exc:
+        out[name] = ["error", str(exc)]
+print(json.dumps(out))
+"""
+
+# generation -> (static outcome, dynamic outcome); an outcome is ["ok", scheduler, multiple] or the
+# fragments the error must contain. Verified on /work/mlm/main (M3) and /work/mlm/dev (G8).
+REAL_EXPECTED: dict[str, tuple[list[Any], list[Any]]] = {
+    "M3": (
+        ["ok", "dp_balanced", 4],
+        ["model.sequence_packing_scheduler='default_dynamic_cp' cannot run", "scripts/switch_mcore.sh dev"],
+    ),
+    "G8": (["ok", "dp_balanced", 4], ["ok", "default_dynamic_cp", 8]),
+}
+
+
+@pytest.fixture(scope="module")
+def real_probe() -> dict[str, Any]:
+    src = os.environ.get("MCORE_SRC")
+    if not src:
+        pytest.skip("MCORE_SRC is unset: point it at a Megatron-LM checkout (e.g. /work/mlm/dev or /work/mlm/main)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, str(REPO)]), OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-c", _REAL_PROBE], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize(("mode", "index"), [("static", 0), ("dynamic", 1)])
+def test_real_probe_decides_for_the_pin(real_probe: dict[str, Any], mode: str, index: int) -> None:
+    generation = real_probe["generation"]
+    if generation not in REAL_EXPECTED:
+        pytest.skip(f"no expectation recorded for generation {generation}")
+    expected = REAL_EXPECTED[generation][index]
+    got = real_probe[mode]
+    if expected[0] == "ok":
+        assert got == expected
+    else:
+        assert got[0] == "error", got
+        for fragment in expected:
+            assert fragment in got[1], got[1]
+
+
+_IMPORT_WATCH = """
+import sys
+
+attempted = []
+
+
+class Watch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "megatron" or name.startswith("megatron."):
+            attempted.append(name)
+        return None
+
+
+sys.meta_path.insert(0, Watch())
+import packing.config, packing.global_batch
+
+print(sorted(set(attempted)))
+"""
+
+
+def test_modules_do_not_import_megatron_core() -> None:
+    paths = [os.environ["MCORE_SRC"]] if os.environ.get("MCORE_SRC") else []
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([*paths, str(REPO)]))
+    proc = subprocess.run(
+        [sys.executable, "-c", _IMPORT_WATCH], env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]"

@@ -1,0 +1,372 @@
+"""The per-sample data contract: alignment multiple, builder, validator, padding fold, collates."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from packing.global_batch import (
+    REQUIRED_SAMPLE_KEYS,
+    SAMPLE_DTYPES,
+    alignment_multiple,
+    build_unpacked_sequence_sample,
+    fold_alignment_padding,
+    identity_collate,
+    make_unpacked_collate,
+    validate_unpacked_sample,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def sample(n: int = 5, multiple: int = 8) -> dict[str, torch.Tensor]:
+    tokens = list(range(10, 10 + n))
+    return build_unpacked_sequence_sample(
+        tokens, [t + 1 for t in tokens], [1.0] * n, pad_to_multiple_of=multiple, pad_token_id=2
+    )
+
+
+# -- alignment multiple -------------------------------------------------------------------------
+
+ALIGNMENT = [
+    # dynamic_cp, dp, cp, tp, sequence_parallel, multiple
+    # the four rows of Megatron-Bridge PR #6127's padding-multiple table
+    (False, 2, 1, 1, False, 1),
+    (False, 2, 4, 1, False, 8),
+    (True, 2, 4, 1, False, 16),
+    (True, 2, 4, 2, True, 32),
+    # static CP: lcm(2*cp or 1, cp*tp with SP); dp never matters
+    (False, 8, 1, 8, False, 1),
+    (False, 1, 1, 2, True, 2),
+    (False, 1, 2, 2, True, 4),
+    (False, 1, 2, 4, True, 8),
+    (False, 1, 3, 2, True, 6),
+    (False, 1, 2, 3, True, 12),
+    (False, 4, 2, 4, False, 4),
+    # dynamic CP: 2*dp*cp, times tp only with SP
+    (True, 1, 2, 1, False, 4),
+    (True, 4, 1, 1, False, 8),
+    (True, 2, 4, 2, False, 16),
+    (True, 8, 1, 2, True, 32),
+]
+
+
+@pytest.mark.parametrize(("dynamic_cp", "dp", "cp", "tp", "sp", "expected"), ALIGNMENT)
+def test_alignment_multiple(dynamic_cp: bool, dp: int, cp: int, tp: int, sp: bool, expected: int) -> None:
+    assert alignment_multiple(dynamic_cp=dynamic_cp, dp=dp, cp=cp, tp=tp, sequence_parallel=sp) == expected
+
+
+@pytest.mark.parametrize(
+    ("sizes", "fragment"),
+    [
+        ({"dp": 0, "cp": 1, "tp": 1}, "dp=0: pass a positive int"),
+        ({"dp": 1, "cp": -2, "tp": 1}, "cp=-2: pass a positive int"),
+        ({"dp": 1, "cp": 1, "tp": True}, "tp=True: pass a positive int"),
+        ({"dp": 1, "cp": 2.0, "tp": 1}, "cp=2.0: pass a positive int"),
+    ],
+)
+def test_alignment_multiple_rejects_bad_sizes(sizes: dict[str, object], fragment: str) -> None:
+    with pytest.raises(ValueError, match=None) as err:
+        alignment_multiple(dynamic_cp=True, sequence_parallel=False, **sizes)  # type: ignore[arg-type]
+    assert fragment in str(err.value)
+
+
+# -- builder ------------------------------------------------------------------------------------
+
+BUILD = [
+    # tokens, multiple, ignore_label_id, expected tokens, expected labels, real length
+    # Bridge's SFT collate example: ids 10..15 shifted -> 5 tokens padded with EOS=2 to 8
+    ([10, 11, 12, 13, 14], 8, None, [10, 11, 12, 13, 14, 2, 2, 2], [11, 12, 13, 14, 15, 2, 2, 2], 5),
+    ([10, 11, 12, 13, 14], 8, -100, [10, 11, 12, 13, 14, 2, 2, 2], [11, 12, 13, 14, 15, -100, -100, -100], 5),
+    ([10, 11, 12, 13, 14], 5, None, [10, 11, 12, 13, 14], [11, 12, 13, 14, 15], 5),
+    ([10, 11, 12, 13, 14], 1, None, [10, 11, 12, 13, 14], [11, 12, 13, 14, 15], 5),
+    ([7], 4, -1, [7, 2, 2, 2], [8, -1, -1, -1], 1),
+    ([7, 8, 9], 16, None, [7, 8, 9] + [2] * 13, [8, 9, 10] + [2] * 13, 3),
+]
+
+
+@pytest.mark.parametrize(("tokens", "multiple", "ignore", "want_tokens", "want_labels", "real"), BUILD)
+def test_build_pads_to_the_multiple(
+    tokens: list[int], multiple: int, ignore: int | None, want_tokens: list[int], want_labels: list[int], real: int
+) -> None:
+    built = build_unpacked_sequence_sample(
+        tokens,
+        [t + 1 for t in tokens],
+        [1.0] * len(tokens),
+        pad_to_multiple_of=multiple,
+        pad_token_id=2,
+        ignore_label_id=ignore,
+    )
+    padded = len(want_tokens)
+    assert list(built) == list(REQUIRED_SAMPLE_KEYS)
+    assert {k: v.dtype for k, v in built.items()} == SAMPLE_DTYPES
+    assert built["tokens"].tolist() == want_tokens
+    assert built["labels"].tolist() == want_labels
+    assert built["loss_mask"].tolist() == [1.0] * real + [0.0] * (padded - real)
+    assert built["position_ids"].tolist() == list(range(padded))
+    assert built["original_seq_len"].tolist() == [real]
+    assert built["padded_seq_len"].tolist() == [padded]
+    validate_unpacked_sample(built, pad_to_multiple_of=multiple)
+
+
+def test_build_accepts_tensors_of_other_dtypes() -> None:
+    tokens = torch.tensor([3, 4, 5], dtype=torch.int32)
+    built = build_unpacked_sequence_sample(
+        tokens, tokens + 1, torch.tensor([1, 1, 0]), pad_to_multiple_of=2, pad_token_id=0
+    )
+    assert built["tokens"].dtype == torch.int64 and built["tokens"].tolist() == [3, 4, 5, 0]
+    assert built["loss_mask"].dtype == torch.float32 and built["loss_mask"].tolist() == [1.0, 1.0, 0.0, 0.0]
+    validate_unpacked_sample(built)
+
+
+BAD_BUILD = [
+    # tokens, labels, loss_mask, multiple, fragments
+    ([], [], [], 4, ["tokens is empty", "drop empty sequences"]),
+    ([1, 2, 3], [1, 2], [1, 1, 1], 4, ["len(labels)=2", "aligned one-to-one with tokens"]),
+    ([1, 2, 3], [1, 2, 3], [1, 1], 4, ["len(loss_mask)=2", "aligned one-to-one with tokens"]),
+    ([[1, 2, 3]], [[1, 2, 3]], [[1, 1, 1]], 4, ["tokens has shape (1, 3)", "1-D list or tensor"]),
+    ([1.5, 2.0], [1, 2], [1, 1], 4, ["tokens has dtype torch.float32", "integer token ids"]),
+    ([1, 2], [0.5, 1.0], [1, 1], 4, ["labels has dtype torch.float32", "integer token ids"]),
+    ([1, 2], [1, 2], [1, 1], 0, ["pad_to_multiple_of=0", "positive int"]),
+    ([1, 2], [1, 2], [1, 1], True, ["pad_to_multiple_of=True", "positive int"]),
+]
+
+
+@pytest.mark.parametrize(("tokens", "labels", "loss_mask", "multiple", "fragments"), BAD_BUILD)
+def test_build_rejects_bad_input(
+    tokens: list, labels: list, loss_mask: list, multiple: int, fragments: list[str]
+) -> None:
+    with pytest.raises(ValueError) as err:
+        build_unpacked_sequence_sample(tokens, labels, loss_mask, pad_to_multiple_of=multiple, pad_token_id=0)
+    for fragment in fragments:
+        assert fragment in str(err.value)
+
+
+# -- validator ----------------------------------------------------------------------------------
+
+
+def _replace(key: str, value: object):
+    def mutate(s: dict) -> dict:
+        s[key] = value
+        return s
+
+    return mutate
+
+
+def _drop(key: str):
+    def mutate(s: dict) -> dict:
+        del s[key]
+        return s
+
+    return mutate
+
+
+BAD_SAMPLES = [
+    # name, mutation of a valid 8-token sample (5 real), pad_to_multiple_of, fragments (field, then fix)
+    ("not-a-dict", lambda s: [s], None, ["sample is a list", "one dict per sequence"]),
+    ("missing-labels", _drop("labels"), None, ["sample is missing ['labels']", "build_unpacked_sequence_sample"]),
+    (
+        "missing-lengths",
+        lambda s: {k: v for k, v in s.items() if "seq_len" not in k},
+        None,
+        ["missing ['original_seq_len', 'padded_seq_len']", "build_unpacked_sequence_sample"],
+    ),
+    (
+        "tokens-list",
+        lambda s: _replace("tokens", s["tokens"].tolist())(s),
+        None,
+        ["sample['tokens'] is a list", "torch.Tensor"],
+    ),
+    (
+        "tokens-int32",
+        lambda s: _replace("tokens", s["tokens"].int())(s),
+        None,
+        ["sample['tokens'].dtype=torch.int32", ".to(torch.int64)"],
+    ),
+    (
+        "labels-float",
+        lambda s: _replace("labels", s["labels"].float())(s),
+        None,
+        ["sample['labels'].dtype=torch.float32", ".to(torch.int64)"],
+    ),
+    (
+        "loss-mask-int",
+        lambda s: _replace("loss_mask", s["loss_mask"].long())(s),
+        None,
+        ["sample['loss_mask'].dtype=torch.int64", ".to(torch.float32)"],
+    ),
+    (
+        "position-ids-int32",
+        lambda s: _replace("position_ids", s["position_ids"].int())(s),
+        None,
+        ["sample['position_ids'].dtype=torch.int32", ".to(torch.int64)"],
+    ),
+    (
+        "original-int64",
+        lambda s: _replace("original_seq_len", s["original_seq_len"].long())(s),
+        None,
+        ["sample['original_seq_len'].dtype=torch.int64", ".to(torch.int32)"],
+    ),
+    (
+        "padded-int64",
+        lambda s: _replace("padded_seq_len", s["padded_seq_len"].long())(s),
+        None,
+        ["sample['padded_seq_len'].dtype=torch.int64", ".to(torch.int32)"],
+    ),
+    (
+        "tokens-stacked",
+        lambda s: _replace("tokens", s["tokens"].unsqueeze(0))(s),
+        None,
+        ["sample['tokens'].shape=(1, 8)", "identity_collate"],
+    ),
+    (
+        "padded-0d",
+        lambda s: _replace("padded_seq_len", s["padded_seq_len"][0])(s),
+        None,
+        ["sample['padded_seq_len'].shape=()", "shape [1]"],
+    ),
+    (
+        "original-2",
+        lambda s: _replace("original_seq_len", torch.tensor([5, 5], dtype=torch.int32))(s),
+        None,
+        ["sample['original_seq_len'].shape=(2,)", "shape [1]"],
+    ),
+    (
+        "labels-short",
+        lambda s: _replace("labels", s["labels"][:7])(s),
+        None,
+        ["sample['labels'] has length 7", "same length"],
+    ),
+    (
+        "loss-mask-long",
+        lambda s: _replace("loss_mask", torch.ones(9))(s),
+        None,
+        ["sample['loss_mask'] has length 9", "same length"],
+    ),
+    (
+        "padded-wrong",
+        _replace("padded_seq_len", torch.tensor([6], dtype=torch.int32)),
+        None,
+        ["sample['padded_seq_len']=[6]", "set it to the tensor length L=8"],
+    ),
+    (
+        "original-zero",
+        _replace("original_seq_len", torch.tensor([0], dtype=torch.int32)),
+        None,
+        ["sample['original_seq_len']=[0]", "between 1 and padded_seq_len=8"],
+    ),
+    (
+        "original-too-long",
+        _replace("original_seq_len", torch.tensor([9], dtype=torch.int32)),
+        None,
+        ["sample['original_seq_len']=[9]", "between 1 and padded_seq_len=8"],
+    ),
+    (
+        "position-ids-wrong",
+        lambda s: _replace("position_ids", s["position_ids"].flip(0))(s),
+        None,
+        ["sample['position_ids'] is not 0..7", "torch.arange(L)"],
+    ),
+    (
+        "not-aligned",
+        lambda s: s,
+        16,
+        ["sample['padded_seq_len']=[8] is not a multiple of 16", "dataset.global_batch_packing_pad_to_multiple_of"],
+    ),
+    ("bad-multiple", lambda s: s, 0, ["pad_to_multiple_of=0", "positive int"]),
+]
+
+
+@pytest.mark.parametrize(
+    ("mutate", "multiple", "fragments"), [row[1:] for row in BAD_SAMPLES], ids=[row[0] for row in BAD_SAMPLES]
+)
+def test_validate_names_the_key_and_the_fix(mutate, multiple: int | None, fragments: list[str]) -> None:
+    bad = mutate(sample())
+    with pytest.raises(ValueError) as err:
+        validate_unpacked_sample(bad, pad_to_multiple_of=multiple)
+    for fragment in fragments:
+        assert fragment in str(err.value)
+
+
+@pytest.mark.parametrize(("n", "multiple"), [(1, 1), (5, 8), (8, 8), (9, 4), (31, 32)])
+def test_validate_accepts_built_samples(n: int, multiple: int) -> None:
+    validate_unpacked_sample(sample(n, multiple), pad_to_multiple_of=multiple)
+
+
+def test_validate_allows_extra_keys() -> None:
+    extra = sample() | {"sample_id": torch.tensor([3])}
+    validate_unpacked_sample(extra)
+
+
+# -- padding fold and collates ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("n", "multiple"), [(5, 8), (8, 8), (1, 4)])
+def test_fold_alignment_padding(n: int, multiple: int) -> None:
+    original = sample(n, multiple)
+    folded = fold_alignment_padding(original)
+    assert folded["original_seq_len"].tolist() == original["padded_seq_len"].tolist()
+    assert folded["original_seq_len"].dtype == torch.int32
+    assert original["original_seq_len"].tolist() == [n], "the input sample is left unchanged"
+    assert folded["loss_mask"].sum().item() == n, "padding still carries no loss"
+    for key in ("tokens", "labels", "loss_mask", "position_ids", "padded_seq_len"):
+        assert folded[key] is original[key]
+    validate_unpacked_sample(folded)
+
+
+def test_fold_rejects_a_sample_without_padded_length() -> None:
+    with pytest.raises(ValueError) as err:
+        fold_alignment_padding({"tokens": torch.zeros(4, dtype=torch.int64)})
+    assert "sample has no 'padded_seq_len'" in str(err.value)
+    assert "build_unpacked_sequence_sample" in str(err.value)
+
+
+def test_identity_collate_keeps_samples_unstacked() -> None:
+    samples = (sample(3, 4), sample(5, 8))
+    collated = identity_collate(samples)
+    assert isinstance(collated, list) and len(collated) == 2
+    assert all(a is b for a, b in zip(collated, samples, strict=True))
+
+
+@pytest.mark.parametrize(("fold", "original"), [(False, [3, 6]), (True, [4, 8])])
+def test_unpacked_collate_through_a_dataloader(fold: bool, original: list[int]) -> None:
+    samples = [sample(3, 4), sample(6, 8)]
+    collate = make_unpacked_collate(fold)
+    if not fold:
+        assert collate is identity_collate
+    loader = DataLoader(samples, batch_size=1, shuffle=False, collate_fn=collate)
+    batches = list(loader)
+    assert [len(b) for b in batches] == [1, 1]
+    got = [b[0] for b in batches]
+    assert [s["original_seq_len"].tolist()[0] for s in got] == original
+    for s in got:
+        assert s["tokens"].dim() == 1, "no batch dimension is added"
+        validate_unpacked_sample(s)
+
+
+# -- against a real Megatron-Core ---------------------------------------------------------------
+
+_MCORE_KEYS = """
+import json
+from megatron.core.datasets import data_schedule
+print(json.dumps(sorted({tuple(cls.get_required_sample_keys(None)) for cls in data_schedule.scheduler_map.values()})))
+"""
+
+
+def test_required_keys_match_megatron_core() -> None:
+    src = os.environ.get("MCORE_SRC")
+    if not src:
+        pytest.skip("MCORE_SRC is unset: point it at a Megatron-LM checkout (e.g. /work/mlm/dev)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, str(REPO)]), OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-c", _MCORE_KEYS], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [list(REQUIRED_SAMPLE_KEYS)]
