@@ -35,7 +35,6 @@ When packing is on and every rule holds, validation writes ``model.sequence_pack
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any, NamedTuple
 
@@ -122,16 +121,10 @@ def _is_power_of_two(n: int) -> bool:
     return n & (n - 1) == 0
 
 
-def _check_scheduler_field(cfg: Any) -> None:
+def _check_model(cfg: Any) -> None:
     model = getattr(cfg, "model", None)
     if model is None:
         raise ValueError("cfg.model is missing: pass a ConfigContainer-like object with .model and .dataset parts")
-    fields = {f.name for f in dataclasses.fields(model)} if dataclasses.is_dataclass(model) else None
-    if fields is not None and "sequence_packing_scheduler" not in fields:
-        raise ValueError(
-            f"model.sequence_packing_scheduler: {type(model).__name__} has no such field, so this Megatron-Core "
-            "predates global-batch packing; run `mcore-compat doctor` and switch to a pin it reports as runnable"
-        )
     scheduler = _get(cfg, "model.sequence_packing_scheduler")
     if scheduler is not None and not isinstance(scheduler, str):
         raise _invalid(
@@ -324,7 +317,7 @@ def validate_global_batch_packing(cfg: Any) -> bool:
             )
         return False
 
-    _check_scheduler_field(cfg)
+    _check_model(cfg)
     _check_exclusive_modes(cfg)
     _check_dataset(cfg)
     layout = _layout(cfg)
@@ -353,7 +346,8 @@ def validate_global_batch_packing(cfg: Any) -> bool:
             f"set {data_field} to a multiple of {multiple}, e.g. {data_seq - data_seq % multiple or multiple}",
         )
 
-    scheduler = scheduler or (facade.DYNAMIC_CP_SCHEDULERS[0] if dynamic_cp else STATIC_CP_SCHEDULER)
+    if scheduler is None:
+        scheduler = facade.DYNAMIC_CP_SCHEDULERS[0] if dynamic_cp else STATIC_CP_SCHEDULER
     reason = facade.probe_global_batch_packing_support(scheduler, dynamic_cp=dynamic_cp)
     if reason is not None:
         raise ValueError(

@@ -154,16 +154,6 @@ def test_packing_off_checks_nothing_and_writes_nothing(cfg: SimpleNamespace, pro
     assert probe_calls == []
 
 
-def test_defaults_table_matches_megatron_defaults() -> None:
-    """Missing attributes read as Megatron's defaults: nothing on, single sizes, no capacity."""
-    sizes = [k for k in CONFIG_DEFAULTS if k.endswith("_parallel_size") and "virtual" not in k and "data" not in k]
-    assert sizes and all(CONFIG_DEFAULTS[k] == 1 for k in sizes)
-    assert CONFIG_DEFAULTS["model.cuda_graph_impl"] == "none"
-    assert CONFIG_DEFAULTS["model.min_dynamic_context_parallel_size"] == 1
-    switches = [k for k, v in CONFIG_DEFAULTS.items() if isinstance(v, bool)]
-    assert all(CONFIG_DEFAULTS[k] is False for k in switches)
-
-
 # -- every rule, broken once: the message names the field, its value and the fix ----------------
 
 BAD = [
@@ -452,36 +442,20 @@ def test_missing_model_part() -> None:
     assert "cfg.model is missing" in str(err.value) and "with .model and .dataset parts" in str(err.value)
 
 
-def test_model_class_without_the_scheduler_field() -> None:
-    """Rule 3: a TransformerConfig dataclass that predates the field (MLM main M1, G1 releases)."""
-
-    @dataclasses.dataclass
-    class OldTransformerConfig:
-        context_parallel_size: int = 2
-        max_seqlen_per_dp_cp_rank: int = 2048
-        seq_length: int = 4096
-        calculate_per_token_loss: bool = True
-
+@pytest.mark.parametrize("has_field", [True, False], ids=["dev-shape", "main-shape"])
+def test_dataclass_model_gets_the_scheduler_written(has_field: bool) -> None:
+    """Megatron-LM main's TransformerConfig has no sequence_packing_scheduler field; the attribute is set anyway."""
+    fields = [
+        ("context_parallel_size", int, 2),
+        ("max_seqlen_per_dp_cp_rank", int, 2048),
+        ("seq_length", int, 4096),
+        ("calculate_per_token_loss", bool, True),
+    ]
+    if has_field:
+        fields.append(("sequence_packing_scheduler", str | None, None))
+    model_cls = dataclasses.make_dataclass("TransformerConfig", fields)
     cfg = make_cfg()
-    cfg.model = OldTransformerConfig()
-    with pytest.raises(ValueError) as err:
-        validate_global_batch_packing(cfg)
-    message = str(err.value)
-    assert message.startswith("model.sequence_packing_scheduler: OldTransformerConfig has no such field")
-    assert "run `mcore-compat doctor` and switch to a pin" in message
-
-
-def test_dataclass_model_with_the_field_passes() -> None:
-    @dataclasses.dataclass
-    class NewTransformerConfig:
-        context_parallel_size: int = 2
-        max_seqlen_per_dp_cp_rank: int = 2048
-        seq_length: int = 4096
-        calculate_per_token_loss: bool = True
-        sequence_packing_scheduler: str | None = None
-
-    cfg = make_cfg()
-    cfg.model = NewTransformerConfig()
+    cfg.model = model_cls()
     assert validate_global_batch_packing(cfg) is True
     assert cfg.model.sequence_packing_scheduler == "dp_balanced"
 
@@ -489,25 +463,44 @@ def test_dataclass_model_with_the_field_passes() -> None:
 # -- against a real Megatron-Core ---------------------------------------------------------------
 
 _REAL_PROBE = """
+import dataclasses
 import json
 from types import SimpleNamespace as NS
+
+from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.transformer import TransformerConfig
 
 import mcore_compat
 from packing.config import validate_global_batch_packing
 
 out = {"generation": mcore_compat.detect().generation}
 for name, dynamic in (("static", False), ("dynamic", True)):
+    # dev's __post_init__ refuses a scheduler without Transformer Engine >= 2.9, so packing fields are set afterwards
+    model = TransformerConfig(
+        num_layers=2, hidden_size=64, num_attention_heads=4, context_parallel_size=2,
+        calculate_per_token_loss=True, max_seqlen_per_dp_cp_rank=2048,
+    )
+    model.seq_length, model.data_parallel_size = 4096, 2
+    if dynamic:
+        model.dynamic_context_parallel = True
     cfg = NS(
-        model=NS(context_parallel_size=2, data_parallel_size=2, dynamic_context_parallel=dynamic,
-                 max_seqlen_per_dp_cp_rank=2048, seq_length=4096, calculate_per_token_loss=True),
+        model=model,
         dataset=NS(enable_global_batch_packing=True, yields_unpacked_samples=True),
         train=NS(micro_batch_size=1),
+        ddp=DistributedDataParallelConfig(),
     )
     try:
         validate_global_batch_packing(cfg)
-        out[name] = ["ok", cfg.model.sequence_packing_scheduler, cfg.dataset.global_batch_packing_pad_to_multiple_of]
+        out[name] = ["ok", model.sequence_packing_scheduler, cfg.dataset.global_batch_packing_pad_to_multiple_of]
     except ValueError as exc:
         out[name] = ["error", str(exc)]
+
+out["defaults"] = {
+    f"{part}.{f.name}": f.default
+    for part, cls in (("model", TransformerConfig), ("ddp", DistributedDataParallelConfig))
+    for f in dataclasses.fields(cls)
+    if f.default is not dataclasses.MISSING and isinstance(f.default, (bool, int, str, type(None)))
+}
 print(json.dumps(out))
 """
 
@@ -578,3 +571,11 @@ def test_modules_do_not_import_megatron_core() -> None:
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "[]"
+
+
+def test_defaults_are_megatron_core_defaults(real_probe: dict[str, Any]) -> None:
+    """A missing attribute reads as the default of MCore's TransformerConfig / DistributedDataParallelConfig."""
+    mcore = real_probe["defaults"]
+    shared = sorted(set(CONFIG_DEFAULTS) & set(mcore))
+    assert len(shared) >= 12, shared
+    assert {k: CONFIG_DEFAULTS[k] for k in shared} == {k: mcore[k] for k in shared}
