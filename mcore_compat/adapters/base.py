@@ -8,6 +8,7 @@ understands. Subclasses declare the generations they cover and a ``matches`` pre
 from __future__ import annotations
 
 import importlib
+import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -44,6 +45,7 @@ class PackingAdapter(ABC):
         self.capabilities = capabilities
         self._prebuild_route = route_prebuilder() if capabilities.has_route_prebuilder else None
         self._resolve_cp_group = self._mcore_resolve_cp_group()
+        self._mtp_probe: MtpProbe | None = None
 
     @classmethod
     @abstractmethod
@@ -140,6 +142,15 @@ class PackingAdapter(ABC):
         has_alias = "dynamic_context_parallel" in fields and "hybrid_context_parallel" in fields
         return has_alias and getattr(model_config, "hybrid_context_parallel", None) is True
 
+    def mtp_on_this_rank(self, model_config: Any, vp_stage: int | None) -> bool:
+        """Whether this rank holds MTP layers, read from the model config as Megatron-LM's ``get_batch`` does."""
+        layout = getattr(model_config, "pipeline_model_parallel_layout", None)
+        if layout is None and getattr(model_config, "mtp_num_layers", None) is None:
+            return False
+        if self._mtp_probe is None:
+            self._mtp_probe = mtp_probe()
+        return self._mtp_probe(model_config, vp_stage)
+
     # -- per-rank data ownership ----------------------------------------------------------------
 
     def rank_loads_data(self, pg_collection: Any) -> bool:
@@ -187,17 +198,22 @@ def resolve_cp_group(static_cp_group: Any, packed_seq_params: Any = None) -> Any
     return static_cp_group if attached is None else attached
 
 
-def mtp_on_this_rank(model_config: Any, vp_stage: int | None) -> bool:
-    """Whether this rank holds MTP layers, read from the model config as Megatron-LM's ``get_batch`` does."""
-    layout = getattr(model_config, "pipeline_model_parallel_layout", None)
-    mtp_num_layers = getattr(model_config, "mtp_num_layers", None)
-    if layout is None and mtp_num_layers is None:
-        return False
-    module = importlib.import_module("megatron.core.transformer.multi_token_prediction")
-    return bool(
-        module.mtp_on_this_rank(
-            layout=layout,
-            mtp_num_layers=mtp_num_layers,
+MtpProbe = Callable[[Any, int | None], bool]
+
+
+def mtp_probe() -> MtpProbe:
+    """Megatron-Core's ``mtp_on_this_rank`` called in the form this pin defines (its signature is read once).
+
+    Early dev pins (G2 to the first G4b commit) take ``(config, ignore_virtual, vp_stage)``; later dev
+    and main take ``(layout, mtp_num_layers, ignore_virtual, vp_stage)``.
+    """
+    fn = importlib.import_module("megatron.core.transformer.multi_token_prediction").mtp_on_this_rank
+    if "config" in inspect.signature(fn).parameters:
+        return lambda config, vp_stage: bool(fn(config, ignore_virtual=False, vp_stage=vp_stage))
+    return lambda config, vp_stage: bool(
+        fn(
+            layout=getattr(config, "pipeline_model_parallel_layout", None),
+            mtp_num_layers=getattr(config, "mtp_num_layers", None),
             ignore_virtual=False,
             vp_stage=vp_stage,
         )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from typing import Any, ClassVar
 
-from mcore_compat.adapters.base import FETCH_ARITY, PackedBatch, PackingAdapter, WrapResult, mtp_on_this_rank
+from mcore_compat.adapters.base import FETCH_ARITY, PackedBatch, PackingAdapter, WrapResult
 from mcore_compat.capabilities import Capabilities
 from mcore_compat.generations import FETCH_FUNCTION, SCHEDULER_MODULE, WRAP_FUNCTION
 
@@ -45,7 +45,7 @@ class NativeSchedulerAdapter(PackingAdapter):
     ) -> PackedBatch:
         kwargs: dict[str, Any] = {
             "vpp_size": getattr(model_config, "virtual_pipeline_model_parallel_size", None),
-            "mtp_on_this_rank": mtp_on_this_rank(model_config, vp_stage),
+            "mtp_on_this_rank": self.mtp_on_this_rank(model_config, vp_stage),
             "vp_stage": vp_stage,
             "pg_collection": pg_collection,
         }
