@@ -1,0 +1,433 @@
+"""The ``packing`` facade against every fake Megatron-Core generation.
+
+Each test runs once per generation (the ``fake_mcore`` fixture) and asserts what the facade actually
+handed to the fake's entry points and what came back. Expectations come from
+``shared/reference/mcore-api-generations.md`` and are written out per generation below.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from types import SimpleNamespace
+from typing import Any
+from unittest import mock
+
+import pytest
+
+import mcore_compat
+import packing
+from mcore_compat.adapters import UnsupportedAdapter
+from tests.fake_mcore import FakeGroup, FakeMCore, microbatch, packing_config, pg_collection, sample, sample_ids
+
+NATIVE_ADAPTER = {
+    "G2": "DevG2Adapter",
+    "G3": "DevG2Adapter",
+    "G4": "DevG4Adapter",
+    "G4b": "DevG4Adapter",
+    "G5": "DevG5Adapter",
+    "G6": "DevG5Adapter",
+    "G6b": "DevG5Adapter",
+    "G7": "DevG7Adapter",
+    "G8": "DevG7Adapter",
+    "M3": "MainM3Adapter",
+}
+PP_DATA_STAGES = {gen: "first_last" for gen in ("G2", "G3", "G4", "M3")} | {
+    gen: "every" for gen in ("G4b", "G5", "G6", "G6b", "G7", "G8")
+}
+FETCH_KEYWORDS = {
+    "G2": (),
+    "G3": (),
+    "G4": ("dynamic_cp",),
+    "G4b": ("dynamic_cp",),
+    **{gen: ("dynamic_cp", "config") for gen in ("G5", "G6", "G6b", "G7", "G8")},
+    "M3": (),
+}
+SIX_TUPLE_FETCH = {"G2", "G3", "G4", "G4b"}
+CONFIG_FORM_MTP = {"G2", "G3", "G4", "G4b"}
+HAS_RESOLVE_CP_GROUP = {"G4b", "G5", "G6", "G6b", "G7", "G8"}
+HAS_ROUTES = {"G7", "G8"}
+HYBRID_ALIAS = {"G3", "G4", "G4b", "G5", "G6", "G6b", "G7", "G8"}
+
+DP = ("dp_balanced", False)
+DP_UPPER = ("DP_BALANCED", False)
+DYN = ("default_dynamic_cp", True)
+DYN_STATIC = ("default_dynamic_cp", False)
+DP_DYN = ("dp_balanced", True)
+REQUESTS = (DP, DP_UPPER, DYN, DYN_STATIC, DP_DYN)
+NOT_REGISTERED = "is not registered in scheduler_map"
+WANTS_DYNAMIC = "set dynamic_context_parallel=True"
+NOT_DYNAMIC = "does not form dynamic context-parallel groups"
+_DEV_STATIC = {DP: None, DP_UPPER: NOT_REGISTERED}
+PROBE: dict[str, dict[tuple[str, bool], str | None]] = {
+    # None: runnable. Otherwise a fragment of the refusal; refusals for a missing API also name the
+    # detected generation and the switch script (checked in test_probe_answers).
+    "G2": {**_DEV_STATIC, DYN: NOT_REGISTERED, DYN_STATIC: NOT_REGISTERED, DP_DYN: "does not accept dynamic_cp"},
+    "G4": {**_DEV_STATIC, DYN: "does not accept config", DYN_STATIC: WANTS_DYNAMIC, DP_DYN: "does not accept config"},
+    "G5": {**_DEV_STATIC, DYN: None, DYN_STATIC: WANTS_DYNAMIC, DP_DYN: NOT_DYNAMIC},
+    "M3": {
+        DP: None,
+        DP_UPPER: None,
+        DYN: NOT_REGISTERED,
+        DYN_STATIC: NOT_REGISTERED,
+        DP_DYN: "does not accept dynamic_cp",
+    },
+}
+PROBE |= {"G3": PROBE["G2"], "G4b": PROBE["G4"]} | {gen: PROBE["G5"] for gen in ("G6", "G6b", "G7", "G8")}
+CONFIG_MISTAKES = (WANTS_DYNAMIC, NOT_DYNAMIC)
+SWITCH_HINT = re.compile(r"`scripts/switch_mcore\.sh (dev|main)`")
+
+LENGTHS = (8, 16, 24, 32)
+
+
+def samples() -> list[dict[str, Any]]:
+    return [sample(i, n) for i, n in enumerate(LENGTHS)]
+
+
+def expected_adapter(generation: str) -> str:
+    """The native adapter for scheduler generations; otherwise the adapter declaring it, else Unsupported."""
+    if generation in NATIVE_ADAPTER:
+        return NATIVE_ADAPTER[generation]
+    declaring = [cls for cls in mcore_compat.ADAPTERS if generation in cls.generations]
+    return declaring[0].__name__ if declaring else UnsupportedAdapter.__name__
+
+
+def require_native(fake: FakeMCore) -> None:
+    """Skip the native-scheduler contract where a portable backend (not a fake of MCore's) runs the step."""
+    if fake.generation not in NATIVE_ADAPTER and not isinstance(mcore_compat.adapter(), UnsupportedAdapter):
+        pytest.skip(f"{fake.generation} runs on {mcore_compat.adapter().name}, which has its own tests")
+
+
+def assert_names_generation(reason: str | None, generation: str) -> None:
+    assert reason is not None
+    assert f"detected {generation} (" in reason, reason
+    assert SWITCH_HINT.search(reason), reason
+
+
+# -- detection -----------------------------------------------------------------------------------
+
+
+def test_detects_generation_and_adapter(fake_mcore: FakeMCore) -> None:
+    caps = mcore_compat.detect()
+    chosen = mcore_compat.adapter()
+    assert caps.generation == fake_mcore.generation
+    assert chosen.name == expected_adapter(fake_mcore.generation)
+    if fake_mcore.generation in NATIVE_ADAPTER:
+        assert fake_mcore.generation in type(chosen).generations
+    assert caps.fetch_arity == fake_mcore.fetch_arity
+    assert caps.has_resolve_cp_group == (fake_mcore.generation in HAS_RESOLVE_CP_GROUP)
+    assert caps.has_route_prebuilder == (fake_mcore.generation in HAS_ROUTES)
+    fields = fake_mcore.modules["megatron.core.packed_seq_params"].PackedSeqParams.__dataclass_fields__
+    assert caps.packed_seq_params_fields == tuple(fields)
+
+
+def test_detection_is_cached_until_reset(fake_mcore: FakeMCore) -> None:
+    first = mcore_compat.detect()
+    assert mcore_compat.detect() is first and mcore_compat.adapter() is mcore_compat.adapter()
+    mcore_compat.reset()
+    assert mcore_compat.detect() is not first
+    assert mcore_compat.detect() == first
+
+
+# -- probe ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("request_", REQUESTS, ids=lambda r: f"{r[0]}-{'dynamic' if r[1] else 'static'}")
+def test_probe_answers(fake_mcore: FakeMCore, request_: tuple[str, bool]) -> None:
+    scheduler, dynamic_cp = request_
+    generation = fake_mcore.generation
+    reason = packing.probe_global_batch_packing_support(scheduler, dynamic_cp=dynamic_cp)
+    if generation not in PROBE:
+        if reason is None:
+            assert request_ == DP and generation in type(mcore_compat.adapter()).generations
+        else:
+            assert_names_generation(reason, generation)
+        if dynamic_cp:
+            assert_names_generation(reason, generation)
+        return
+    expected = PROBE[generation][request_]
+    if expected is None:
+        assert reason is None
+        return
+    assert reason is not None and expected in reason, reason
+    assert f"{scheduler!r}" in reason or expected not in (NOT_REGISTERED, *CONFIG_MISTAKES)
+    if expected not in CONFIG_MISTAKES:
+        assert_names_generation(reason, generation)
+
+
+# -- wrap ----------------------------------------------------------------------------------------
+
+WRAP_RANKS = [
+    # (tp_rank, pp_rank, pp_size, owns data on "first_last", owns data on "every")
+    (0, 0, 1, True, True),
+    (1, 0, 1, False, False),
+    (0, 0, 3, True, True),
+    (0, 2, 3, True, True),
+    (0, 1, 3, False, True),
+    (1, 1, 3, False, False),
+]
+
+
+@pytest.mark.parametrize(
+    ("tp_rank", "pp_rank", "pp_size", "first_last", "every"),
+    WRAP_RANKS,
+    ids=[f"tp{r[0]}-pp{r[1]}of{r[2]}" for r in WRAP_RANKS],
+)
+def test_wrap_passes_iterator_only_where_data_lives(
+    fake_mcore: FakeMCore, tp_rank: int, pp_rank: int, pp_size: int, first_last: bool, every: bool
+) -> None:
+    require_native(fake_mcore)
+    config = packing_config()
+    pgc = pg_collection(tp_rank=tp_rank, pp_rank=pp_rank, pp_size=pp_size)
+    raw = iter(samples())
+    if fake_mcore.generation not in NATIVE_ADAPTER:
+        with pytest.raises(ValueError, match=f"detected {fake_mcore.generation} "):
+            packing.wrap_data_iterator_for_global_batch_packing(raw, config, len(LENGTHS), pgc)
+        assert fake_mcore.calls["wrap_data_iterator"] == []
+        return
+    owns = every if PP_DATA_STAGES[fake_mcore.generation] == "every" else first_last
+    fake_mcore.tp_broadcast = (2, float(sum(LENGTHS)), float(sum(n * n for n in LENGTHS)))
+
+    result = packing.wrap_data_iterator_for_global_batch_packing(raw, config, len(LENGTHS), pgc)
+
+    [call] = fake_mcore.calls["wrap_data_iterator"]
+    assert call.bound["data_iterator"] is (raw if owns else None)
+    assert call.bound["config"] is config
+    assert call.bound["num_microbatches"] == len(LENGTHS)
+    assert call.kwargs["pg_collection"] is pgc
+    packed, count, seqlen_sum, seqlen_squared_sum = result
+    assert packed is call.result[0]
+    assert (count, seqlen_sum, seqlen_squared_sum) == call.result[1:]
+    assert (type(count), type(seqlen_sum), type(seqlen_squared_sum)) == (int, float, float)
+    assert (count, seqlen_sum, seqlen_squared_sum) == (2, float(sum(LENGTHS)), float(sum(n * n for n in LENGTHS)))
+    if owns:
+        assert next(raw, None) is None, "the scheduler pulls exactly num_microbatches items"
+        assert sorted(i for mb in packed for i in sample_ids(mb)) == list(range(len(LENGTHS)))
+
+
+def test_wrap_hands_the_scheduler_name_through_as_str(fake_mcore: FakeMCore) -> None:
+    require_native(fake_mcore)
+    if fake_mcore.generation not in NATIVE_ADAPTER:
+        pytest.skip(f"{fake_mcore.generation} has no wrap_data_iterator")
+    config = packing_config("DP_BALANCED")
+    if PROBE[fake_mcore.generation][DP_UPPER] is None:
+        packing.wrap_data_iterator_for_global_batch_packing(iter(samples()), config, len(LENGTHS), pg_collection())
+        [call] = fake_mcore.calls["wrap_data_iterator"]
+        assert call.bound["config"].sequence_packing_scheduler == "DP_BALANCED"
+    else:
+        with pytest.raises(ValueError, match=NOT_REGISTERED):
+            packing.wrap_data_iterator_for_global_batch_packing(iter(samples()), config, len(LENGTHS), pg_collection())
+        assert fake_mcore.calls["wrap_data_iterator"] == []
+
+
+# -- fetch ---------------------------------------------------------------------------------------
+
+
+def packed_stream(count: int) -> Any:
+    return iter([microbatch(samples()[i % 4 : i % 4 + 2], local_cp_size=2) for i in range(count)])
+
+
+@pytest.mark.parametrize("dynamic_cp", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("vp_stage", [0, 1])
+def test_fetch_passes_keywords_this_generation_takes(fake_mcore: FakeMCore, dynamic_cp: bool, vp_stage: int) -> None:
+    require_native(fake_mcore)
+    generation = fake_mcore.generation
+    config = packing_config(dynamic_cp=dynamic_cp, vpp_size=2, mtp_num_layers=1)
+    pgc = pg_collection()
+    stream = packed_stream(1)
+    if generation not in NATIVE_ADAPTER:
+        with pytest.raises(ValueError, match=f"detected {generation} "):
+            packing.get_batch_for_global_batch_packing(stream, config, pg_collection=pgc, vp_stage=vp_stage)
+        assert fake_mcore.calls["get_batch_on_this_rank_for_sequence_packing"] == []
+        return
+
+    batch = packing.get_batch_for_global_batch_packing(stream, config, pg_collection=pgc, vp_stage=vp_stage)
+
+    [call] = fake_mcore.calls["get_batch_on_this_rank_for_sequence_packing"]
+    assert call.args == (stream,)
+    assert set(call.kwargs) == {
+        "vpp_size",
+        "mtp_on_this_rank",
+        "vp_stage",
+        "pg_collection",
+        *FETCH_KEYWORDS[generation],
+    }
+    [mtp_call] = fake_mcore.calls["mtp_on_this_rank"]
+    on_mtp_stage = vp_stage == 1
+    assert call.kwargs["vpp_size"] == 2
+    assert call.kwargs["vp_stage"] == vp_stage
+    assert call.kwargs["mtp_on_this_rank"] is on_mtp_stage
+    assert call.kwargs["pg_collection"] is pgc
+    if generation in CONFIG_FORM_MTP:
+        assert mtp_call.bound == {"config": config, "ignore_virtual": False, "vp_stage": vp_stage}
+    else:
+        assert mtp_call.bound == {"layout": None, "mtp_num_layers": 1, "ignore_virtual": False, "vp_stage": vp_stage}
+    if "dynamic_cp" in FETCH_KEYWORDS[generation]:
+        assert call.kwargs["dynamic_cp"] is dynamic_cp
+    if "config" in FETCH_KEYWORDS[generation]:
+        assert call.kwargs["config"] is config
+
+    assert len(batch) == 7
+    assert len(call.result) == (6 if generation in SIX_TUPLE_FETCH else 7)
+    assert all(got is sent for got, sent in zip(batch, call.result, strict=False))
+    assert batch[3] is None
+    assert batch[6] is (None if generation in SIX_TUPLE_FETCH else call.result[6])
+    params = batch[5]
+    assert params.qkv_format == "thd"
+    if dynamic_cp and "dynamic_cp" in FETCH_KEYWORDS[generation]:
+        assert params.local_cp_size == 2 and params.cp_group == FakeGroup("dynamic_cp", 0, 2)
+
+
+def test_fetch_passes_no_iterator_off_tp_rank_0(fake_mcore: FakeMCore) -> None:
+    require_native(fake_mcore)
+    if fake_mcore.generation not in NATIVE_ADAPTER:
+        pytest.skip(f"{fake_mcore.generation} has no native packed fetch (checked in the keyword test)")
+    config = packing_config()
+    stream = packed_stream(1)
+    first = packing.get_batch_for_global_batch_packing(stream, config, pg_collection=pg_collection(), vp_stage=None)
+    other = packing.get_batch_for_global_batch_packing(
+        packed_stream(1), config, pg_collection=pg_collection(tp_rank=1), vp_stage=None
+    )
+    tp0_call, tp1_call = fake_mcore.calls["get_batch_on_this_rank_for_sequence_packing"]
+    assert tp0_call.args == (stream,) and tp1_call.args == (None,)
+    assert len(other) == 7 and other[0] is tp1_call.result[0]
+    assert other[5].cu_seqlens_q_padded.tolist() == first[5].cu_seqlens_q_padded.tolist()
+
+
+def test_no_signature_lookups_per_call(fake_mcore: FakeMCore) -> None:
+    require_native(fake_mcore)
+    if fake_mcore.generation not in NATIVE_ADAPTER:
+        pytest.skip(f"{fake_mcore.generation} has no native packed fetch")
+    config = packing_config(mtp_num_layers=1, vpp_size=2)
+    stream = packed_stream(101)
+    pgc = pg_collection()
+    packing.get_batch_for_global_batch_packing(stream, config, pg_collection=pgc, vp_stage=1)
+    packing.wrap_data_iterator_for_global_batch_packing(iter(samples()), packing_config(), len(LENGTHS), pgc)
+    with mock.patch.object(inspect, "signature", wraps=inspect.signature) as signature:
+        for _ in range(100):
+            packing.get_batch_for_global_batch_packing(stream, config, pg_collection=pgc, vp_stage=1)
+        for _ in range(10):
+            packing.wrap_data_iterator_for_global_batch_packing(iter(samples()), packing_config(), len(LENGTHS), pgc)
+    assert signature.call_count == 0
+    assert len(fake_mcore.calls["get_batch_on_this_rank_for_sequence_packing"]) == 101
+
+
+# -- finalize ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("attached", [False, True], ids=["static-group", "dynamic-group"])
+def test_finalize_binds_the_cp_group_and_prebuilds_routes(fake_mcore: FakeMCore, attached: bool) -> None:
+    generation = fake_mcore.generation
+    psp_cls = fake_mcore.modules["megatron.core.packed_seq_params"].PackedSeqParams
+    psp = psp_cls(qkv_format="thd", cu_seqlens_q_padded=[0, 8, 16, 32])
+    pgc = pg_collection(cp_size=2)
+    dynamic = FakeGroup("dynamic_cp", 1, 4)
+    if attached:
+        if "cp_group" not in psp_cls.__dataclass_fields__:
+            pytest.skip(f"{generation}'s PackedSeqParams has no cp_group to attach")
+        psp.cp_group = dynamic
+    expected_group = dynamic if attached else pgc.cp
+
+    assert packing.finalize_packed_seq_params(psp, pgc) is psp
+
+    if "cp_group" in psp_cls.__dataclass_fields__:
+        assert psp.cp_group is expected_group
+    else:
+        assert not hasattr(psp, "cp_group")
+    resolved = fake_mcore.calls["resolve_cp_group"]
+    if generation in HAS_RESOLVE_CP_GROUP:
+        assert [(c.bound["static_cp_group"], c.bound["packed_seq_params"]) for c in resolved] == [(pgc.cp, psp)]
+    prebuilt = fake_mcore.calls["prebuild_thd_cp_partition_routes"]
+    if generation in HAS_ROUTES:
+        [call] = prebuilt
+        assert call.bound["packed_seq_params"] is psp and call.bound["cp_group"] is expected_group
+        assert psp.cp_partition_route == ("route", expected_group.name, expected_group.size(), expected_group.rank())
+    else:
+        assert prebuilt == []
+
+
+def test_finalize_passes_none_through(fake_mcore: FakeMCore) -> None:
+    assert packing.finalize_packed_seq_params(None, pg_collection()) is None
+    assert packing.finalize_packed_seq_params(None, None) is None
+    assert fake_mcore.calls["resolve_cp_group"] == []
+    assert fake_mcore.calls["prebuild_thd_cp_partition_routes"] == []
+
+
+# -- enabled flags -------------------------------------------------------------------------------
+
+PACKING_FLAGS = [
+    (mock.Mock(), False),
+    (mock.MagicMock(), False),
+    (SimpleNamespace(), False),
+    (SimpleNamespace(sequence_packing_scheduler=None), False),
+    (SimpleNamespace(sequence_packing_scheduler=True), False),
+    (SimpleNamespace(sequence_packing_scheduler="dp_balanced"), True),
+]
+DYNAMIC_FLAGS = [
+    (mock.Mock(), False),
+    (SimpleNamespace(), False),
+    (SimpleNamespace(dynamic_context_parallel=1), False),
+    (SimpleNamespace(dynamic_context_parallel="true"), False),
+    (SimpleNamespace(dynamic_context_parallel=mock.Mock()), False),
+    (SimpleNamespace(dynamic_context_parallel=True), True),
+]
+
+
+@pytest.mark.parametrize(("config", "enabled"), PACKING_FLAGS)
+def test_packing_enabled_only_for_a_scheduler_name(fake_mcore: FakeMCore, config: Any, enabled: bool) -> None:
+    assert packing.global_batch_packing_enabled(config) is enabled
+
+
+@pytest.mark.parametrize(("config", "enabled"), DYNAMIC_FLAGS)
+def test_dynamic_cp_enabled_only_for_explicit_true(fake_mcore: FakeMCore, config: Any, enabled: bool) -> None:
+    assert packing.dynamic_context_parallel_enabled(config) is enabled
+
+
+@pytest.mark.parametrize("value", [True, 1])
+def test_hybrid_alias_only_where_the_pin_has_both_fields(fake_mcore: FakeMCore, value: Any) -> None:
+    config = SimpleNamespace(hybrid_context_parallel=value)
+    expected = value is True and fake_mcore.generation in HYBRID_ALIAS
+    assert packing.dynamic_context_parallel_enabled(config) is expected
+
+
+# -- bad input -----------------------------------------------------------------------------------
+
+BAD_WRAP_INPUT = [
+    # (scheduler, num_microbatches, pg_collection?, fragments the error must contain)
+    ("dp_balanced", 4, False, ("pg_collection=None", "ProcessGroupCollection")),
+    ("dp_balanced", 0, True, ("num_microbatches=0", "get_num_microbatches()")),
+    ("dp_balanced", -1, True, ("num_microbatches=-1", "positive int")),
+    ("dp_balanced", True, True, ("num_microbatches=True", "positive int")),
+    ("dp_balanced", 4.0, True, ("num_microbatches=4.0", "positive int")),
+    (None, 4, True, ("sequence_packing_scheduler=None", "'dp_balanced'")),
+    (3, 4, True, ("sequence_packing_scheduler=3", "'dp_balanced'")),
+    (mock.Mock(), 4, True, ("sequence_packing_scheduler=<Mock", "'dp_balanced'")),
+    ("nope", 4, True, ("'nope'",)),
+]
+
+
+@pytest.mark.parametrize(("scheduler", "num_microbatches", "has_pgc", "fragments"), BAD_WRAP_INPUT)
+def test_bad_wrap_input_fails_before_mcore(
+    fake_mcore: FakeMCore, scheduler: Any, num_microbatches: Any, has_pgc: bool, fragments: tuple[str, ...]
+) -> None:
+    raw = iter(samples())
+    pgc = pg_collection() if has_pgc else None
+    with pytest.raises(ValueError) as excinfo:
+        packing.wrap_data_iterator_for_global_batch_packing(raw, packing_config(scheduler), num_microbatches, pgc)
+    unregistered = scheduler == "nope"
+    if not unregistered or fake_mcore.generation in NATIVE_ADAPTER:
+        assert all(f in str(excinfo.value) for f in fragments), str(excinfo.value)
+    if unregistered:
+        assert_names_generation(str(excinfo.value), fake_mcore.generation)
+    assert fake_mcore.calls["wrap_data_iterator"] == []
+    assert int(next(raw)["padded_seq_len"]) == LENGTHS[0], "nothing was pulled from the raw iterator"
+
+
+def test_bad_fetch_input_fails_before_mcore(fake_mcore: FakeMCore) -> None:
+    stream = packed_stream(1)
+    with pytest.raises(ValueError, match=r"pg_collection=None.*ProcessGroupCollection"):
+        packing.get_batch_for_global_batch_packing(stream, packing_config(), pg_collection=None, vp_stage=None)
+    with pytest.raises(ValueError, match=r"pg_collection=None"):
+        packing.finalize_packed_seq_params(object(), None)
+    assert fake_mcore.calls["get_batch_on_this_rank_for_sequence_packing"] == []
+    assert next(stream, None) is not None
