@@ -27,6 +27,7 @@ def report() -> dict[str, Any]:
         "generation": caps.generation,
         "adapter": chosen.name,
         "adapter_covers": chosen.covers,
+        "backend": chosen.backend,
         "capabilities": caps.as_dict(),
         "schedulers": rows,
         "runnable": any(row["runnable"] for row in rows),
@@ -53,7 +54,7 @@ def format_report(data: dict[str, Any]) -> str:
     lines += ["", "schedulers:"]
     for row in data["schedulers"]:
         mode = "dynamic CP" if row["dynamic_cp"] else "static CP"
-        verdict = "runs" if row["runnable"] else f"no: {row['reason']}"
+        verdict = f"runs ({data['backend']} backend)" if row["runnable"] else f"no: {row['reason']}"
         lines.append(f"  {row['scheduler']:<20} {mode:<10}  {verdict}")
     lines += ["", "global-batch packing: " + ("available" if data["runnable"] else "NOT available")]
     return "\n".join(lines)

@@ -7,6 +7,7 @@ import functools
 from mcore_compat.adapters.base import DYNAMIC_CP_SCHEDULERS, PackingAdapter
 from mcore_compat.adapters.dev import DevG2Adapter, DevG4Adapter, DevG5Adapter, DevG7Adapter
 from mcore_compat.adapters.main import MainM3Adapter
+from mcore_compat.adapters.portable import PortableAdapter
 from mcore_compat.adapters.unsupported import UnsupportedAdapter
 from mcore_compat.capabilities import Capabilities, detect
 
@@ -16,6 +17,7 @@ ADAPTERS: tuple[type[PackingAdapter], ...] = (
     DevG4Adapter,
     DevG2Adapter,
     MainM3Adapter,
+    PortableAdapter,
     UnsupportedAdapter,
 )
 
@@ -42,6 +44,7 @@ __all__ = [
     "ADAPTERS",
     "DYNAMIC_CP_SCHEDULERS",
     "PackingAdapter",
+    "PortableAdapter",
     "adapter",
     "reset",
     "select_adapter",

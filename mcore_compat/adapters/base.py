@@ -40,6 +40,8 @@ class PackingAdapter(ABC):
 
     generations: ClassVar[tuple[str, ...]]
     covers: ClassVar[str]
+    backend: ClassVar[str] = "native"
+    """Who packs: Megatron-Core's own scheduler ("native") or mcore-compat's ("portable")."""
 
     def __init__(self, capabilities: Capabilities) -> None:
         self.capabilities = capabilities

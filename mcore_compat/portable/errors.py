@@ -1,0 +1,216 @@
+"""Packing problems as fixed-width integer records, so every rank can raise the same error.
+
+A rank that finds bad input does not raise on its own: it encodes the problem as a
+:data:`VERDICT_WIDTH`-int record, the record travels inside the collective the other ranks are
+waiting in, and every rank then raises :class:`PortablePackingError` with the same message.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+import torch
+
+SAMPLE_KEYS: tuple[str, ...] = (
+    "tokens",
+    "labels",
+    "loss_mask",
+    "position_ids",
+    "original_seq_len",
+    "padded_seq_len",
+    "cu_seqlens",
+    "cu_seqlens_padded",
+    "max_seqlen",
+)
+"""Keys a problem record can name, by index."""
+
+DTYPES: tuple[torch.dtype, ...] = (
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+)
+"""Dtypes a problem record can name, by index (anything else is reported as 'another dtype')."""
+
+VERDICT_WIDTH = 6
+"""``(code, rank, sample, a, b, c)``."""
+
+
+class Problem(enum.IntEnum):
+    """What went wrong; 0 means nothing."""
+
+    NONE = 0
+    NO_ITERATOR = 1
+    EXHAUSTED = 2
+    ITERATOR_FAILED = 3
+    BAD_ITEM = 4
+    MIXED_FORMS = 5
+    MISSING_KEY = 6
+    BAD_DTYPE = 7
+    BAD_SHAPE = 8
+    LENGTH_MISMATCH = 9
+    BAD_ORIGINAL = 10
+    EMPTY_SAMPLE = 11
+    MISALIGNED = 12
+    OVERSIZE = 13
+    TOO_FEW_SAMPLES = 14
+    CP_MISMATCH = 15
+    PACKED_EXHAUSTED = 16
+    PACKED_MISSING_KEY = 17
+    PACKED_NOT_A_DICT = 18
+    BAD_LAYOUT = 19
+
+
+def dtype_index(dtype: torch.dtype) -> int:
+    """Index of ``dtype`` in :data:`DTYPES`, or -1."""
+    return DTYPES.index(dtype) if dtype in DTYPES else -1
+
+
+def _dtype_name(index: int) -> str:
+    return str(DTYPES[index]) if 0 <= index < len(DTYPES) else "another dtype"
+
+
+def _key(index: int) -> str:
+    return SAMPLE_KEYS[index] if 0 <= index < len(SAMPLE_KEYS) else f"key #{index}"
+
+
+def describe(record: Sequence[int]) -> str:
+    """The message for one problem record ``(code, rank, sample, a, b, c)``."""
+    code, rank, sample, a, b, c = (int(v) for v in record)
+    where = f"DP rank {rank}, sample {sample} of this step"
+    problem = Problem(code)
+    if problem is Problem.NO_ITERATOR:
+        return (
+            f"data_iterator=None on DP rank {rank}, a rank that loads data (TP rank 0 of a data-owning pipeline "
+            "stage); pass the raw sample iterator there and None only on the other TP ranks"
+        )
+    if problem is Problem.EXHAUSTED and c:
+        return (
+            "data_iterator is exhausted on every data-loading rank (no samples left for this step); "
+            "stop the loop here or size the loader for more steps"
+        )
+    if problem is Problem.EXHAUSTED:
+        return (
+            f"data_iterator on DP rank {rank} raised StopIteration after {a} of num_microbatches={b} items "
+            "while other ranks still had data; every data-loading rank must yield num_microbatches items per "
+            "step (size the loader for all steps)"
+        )
+    if problem is Problem.ITERATOR_FAILED:
+        return (
+            f"data_iterator on DP rank {rank} raised an exception while producing item {a}; "
+            "see the chained traceback on that rank and fix the dataset or collate function"
+        )
+    if problem is Problem.BAD_ITEM:
+        return (
+            f"item {a} from data_iterator on DP rank {rank} is neither a sample dict nor a list of sample dicts; "
+            "use an identity collate so each next() yields one dict or a list of dicts"
+        )
+    if problem is Problem.MIXED_FORMS:
+        return (
+            f"{where} mixes sample forms: every sample of a step must carry either 'padded_seq_len' "
+            "(unpacked) or 'cu_seqlens' (pre-packed), and exactly one of them"
+        )
+    if problem is Problem.MISSING_KEY:
+        return (
+            f"{where} has no {_key(a)!r}; unpacked samples need tokens, labels, loss_mask, position_ids and "
+            "padded_seq_len (original_seq_len defaults to it), pre-packed ones cu_seqlens instead of the lengths"
+        )
+    if problem is Problem.BAD_DTYPE:
+        return (
+            f"{where}: {_key(a)!r} has dtype {_dtype_name(b)}; the data contract requires "
+            f"{_dtype_name(c)} (cast it when building the sample)"
+        )
+    if problem is Problem.BAD_SHAPE:
+        return (
+            f"{where}: {_key(a)!r} has {b} dimensions with leading size {c}; per-token fields must be 1-D "
+            "(or [1, L] from a default collate with micro-batch size 1)"
+        )
+    if problem is Problem.LENGTH_MISMATCH:
+        return (
+            f"{where}: {_key(a)!r} holds {b} tokens but the sample's padded length is {c}; "
+            "per-token fields must have padded_seq_len elements"
+        )
+    if problem is Problem.BAD_ORIGINAL:
+        return (
+            f"{where}: original_seq_len={a} is outside [0, padded_seq_len={b}]; "
+            "original_seq_len is the real length before padding"
+        )
+    if problem is Problem.EMPTY_SAMPLE:
+        return f"{where}: padded_seq_len={a}; every sample needs at least one token (drop empty samples)"
+    if problem is Problem.MISALIGNED:
+        return (
+            f"{where}: padded_seq_len={a} is not a multiple of {b} (2 x context-parallel size), which the THD "
+            f"zigzag split needs; pad samples to a multiple of {b}"
+        )
+    if problem is Problem.OVERSIZE:
+        return (
+            f"{where} (global sample {a}): padded_seq_len={b} exceeds the bin capacity {c} "
+            "(max_seqlen_per_dp_cp_rank x context-parallel size); truncate the sample or raise "
+            "max_seqlen_per_dp_cp_rank"
+        )
+    if problem is Problem.TOO_FEW_SAMPLES:
+        return (
+            f"the global batch has {a} samples packed into {b} bins, but dp_balanced needs the bin count to be "
+            f"a multiple of {c} (data-parallel size x VPP microbatch group) and can only split bins with more than "
+            "one sample; use more samples per step"
+        )
+    if problem is Problem.CP_MISMATCH:
+        return (
+            f"context-parallel siblings disagree: DP x CP rank {a} and DP x CP rank {b} (same DP rank {rank}) "
+            "received different samples; feed CP siblings identical data (select samples by DP rank only)"
+        )
+    if problem is Problem.PACKED_EXHAUSTED:
+        return (
+            "the packed iterator is exhausted: get_batch was called more often than the microbatch count "
+            "wrap returned; use that count (packed_num_microbatches) for the step"
+        )
+    if problem is Problem.PACKED_MISSING_KEY:
+        return (
+            f"the packed microbatch has no {_key(a)!r}; pass the iterator returned by "
+            "wrap_data_iterator_for_global_batch_packing to get_batch_for_global_batch_packing"
+        )
+    if problem is Problem.PACKED_NOT_A_DICT:
+        return (
+            "the packed iterator yielded something other than a microbatch dict; pass the iterator returned by "
+            "wrap_data_iterator_for_global_batch_packing"
+        )
+    if problem is Problem.BAD_LAYOUT:
+        return (
+            f"pg_collection does not describe a DP x CP grid: the DP x CP group holds {a} ranks but the DP group "
+            f"has {b} and the CP group {c}; pass the model's ProcessGroupCollection (dp, cp, dp_cp from one layout)"
+        )
+    return f"no problem (code {code})"
+
+
+def record(problem: Problem, rank: int = -1, sample: int = -1, a: int = 0, b: int = 0, c: int = 0) -> list[int]:
+    """Encode one problem."""
+    return [int(problem), rank, sample, a, b, c]
+
+
+OK: list[int] = record(Problem.NONE)
+
+
+class PortablePackingError(ValueError):
+    """Bad packing input, raised with the same message on every rank of the step."""
+
+    def __init__(self, verdict: Sequence[int]) -> None:
+        self.verdict = [int(v) for v in verdict]
+        self.problem = Problem(self.verdict[0])
+        super().__init__(describe(self.verdict))
+
+
+def raise_if_bad(verdict: Sequence[int], cause: BaseException | None = None) -> None:
+    """Raise for a bad verdict: ``StopIteration`` when every rank's data ran out together, else the packing error."""
+    if int(verdict[0]) == Problem.NONE:
+        return
+    error = PortablePackingError(verdict)
+    if error.problem is Problem.EXHAUSTED and int(verdict[5]):
+        raise StopIteration(str(error)) from cause
+    raise error from cause

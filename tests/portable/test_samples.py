@@ -1,0 +1,119 @@
+"""Reading one step's raw samples: every contract violation becomes the right problem record."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mcore_compat.portable.errors import OK, SAMPLE_KEYS, PortablePackingError, Problem, dtype_index, record
+from mcore_compat.portable.samples import read_step
+
+
+def sample(length: int, padded: int | None = None, **overrides) -> dict:
+    padded = length if padded is None else padded
+    fields = {
+        "tokens": torch.arange(padded, dtype=torch.int64) + 100,
+        "labels": torch.arange(padded, dtype=torch.int64) + 101,
+        "loss_mask": (torch.arange(padded) < length).float(),
+        "position_ids": torch.arange(padded, dtype=torch.int64),
+        "original_seq_len": torch.tensor([length], dtype=torch.int32),
+        "padded_seq_len": torch.tensor([padded], dtype=torch.int32),
+    }
+    fields.update(overrides)
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+def prepacked(bounds: list[int]) -> dict:
+    total = bounds[-1]
+    return {
+        "tokens": torch.arange(total, dtype=torch.int64),
+        "labels": torch.arange(total, dtype=torch.int64),
+        "loss_mask": torch.ones(total),
+        "position_ids": torch.arange(total, dtype=torch.int64),
+        "cu_seqlens": torch.tensor(bounds, dtype=torch.int32),
+    }
+
+
+class Exploding:
+    def __next__(self):
+        raise KeyError("dataset bug")
+
+
+KEY = SAMPLE_KEYS.index
+
+
+@pytest.mark.parametrize(
+    ("items", "cp", "expected"),
+    [
+        ([sample(3, 4), sample(4)], 2, OK),
+        ([[sample(3, 4), sample(4)], sample(8)], 2, OK),
+        ([sample(5, original_seq_len=None)], 1, OK),
+        ([{**sample(3), "attention_mask": torch.ones(3)}], 1, OK),
+        ([{k: v.unsqueeze(0) for k, v in sample(4).items()}], 1, OK),
+        ([prepacked([0, 4, 4, 12])], 2, OK),
+        ([sample(3, tokens=None)], 1, record(Problem.MISSING_KEY, 0, 0, a=KEY("tokens"))),
+        (
+            [sample(2), {k: v for k, v in sample(2).items() if not k.endswith("seq_len")}],
+            1,
+            record(Problem.MISSING_KEY, 0, 1, a=KEY("padded_seq_len")),
+        ),
+        ([sample(2), prepacked([0, 2])], 1, record(Problem.MIXED_FORMS, 0, 1)),
+        ([{**sample(2), "cu_seqlens": torch.tensor([0, 2])}], 1, record(Problem.MIXED_FORMS, 0, 0)),
+        (
+            [sample(3, loss_mask=torch.ones(3, dtype=torch.bool))],
+            1,
+            record(
+                Problem.BAD_DTYPE, 0, 0, a=KEY("loss_mask"), b=dtype_index(torch.bool), c=dtype_index(torch.float32)
+            ),
+        ),
+        (
+            [sample(4, tokens=torch.zeros(2, 2, dtype=torch.int64))],
+            1,
+            record(Problem.BAD_SHAPE, 0, 0, a=KEY("tokens"), b=2, c=2),
+        ),
+        (
+            [sample(4, labels=torch.zeros(5, dtype=torch.int64))],
+            1,
+            record(Problem.LENGTH_MISMATCH, 0, 0, a=KEY("labels"), b=5, c=4),
+        ),
+        ([sample(5, 4)], 1, record(Problem.BAD_ORIGINAL, 0, 0, a=5, b=4)),
+        ([sample(0)], 1, record(Problem.EMPTY_SAMPLE, 0, 0, a=0)),
+        ([sample(4), sample(3, 6)], 2, record(Problem.MISALIGNED, 0, 1, a=6, b=4)),
+        ([prepacked([0, 4, 6])], 2, record(Problem.MISALIGNED, 0, 0, a=2, b=4)),
+        (["not a sample"], 1, record(Problem.BAD_ITEM, 0, a=0)),
+    ],
+)
+def test_read_step_verdicts(items, cp, expected):
+    batch = read_step(iter(items), len(items), rank=0, cp_size=cp)
+    assert batch.verdict == expected
+    if expected == OK:
+        assert batch.samples
+        for s in batch.samples:
+            assert all(v.dim() == 1 and v.numel() == s.padded for v in s.fields.values())
+
+
+def test_prepacked_samples_are_split_and_empty_segments_dropped():
+    batch = read_step(iter([prepacked([0, 4, 4, 12])]), 1, rank=0, cp_size=1)
+    assert [(s.original, s.padded) for s in batch.samples] == [(4, 4), (8, 8)]
+    assert batch.samples[1].fields["tokens"].tolist() == list(range(4, 12))
+
+
+@pytest.mark.parametrize(
+    ("iterator", "expected", "cause"),
+    [
+        (None, record(Problem.NO_ITERATOR, 3), None),
+        (iter([sample(2)]), record(Problem.EXHAUSTED, 3, a=1, b=2), StopIteration),
+        (Exploding(), record(Problem.ITERATOR_FAILED, 3, a=0), KeyError),
+    ],
+)
+def test_iterator_failures_are_recorded_not_raised(iterator, expected, cause):
+    batch = read_step(iterator, 2, rank=3, cp_size=1)
+    assert batch.verdict == expected
+    assert (batch.cause is None) if cause is None else isinstance(batch.cause, cause)
+
+
+@pytest.mark.parametrize("problem", list(Problem)[1:])
+def test_every_problem_has_a_message_that_names_a_fix(problem):
+    message = str(PortablePackingError(record(problem, 1, 2, a=1, b=2, c=3)))
+    assert message and "no problem" not in message
+    assert any(word in message for word in ("use", "set", "pass", "pad", "feed", "truncate", "cast", "size", "drop"))
