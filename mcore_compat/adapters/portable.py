@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from mcore_compat.adapters.base import PackedBatch, PackingAdapter, WrapResult, mtp_on_this_rank
+from mcore_compat.adapters.base import PackedBatch, PackingAdapter, WrapResult
 from mcore_compat.capabilities import Capabilities
 from mcore_compat.generations import DYNAMIC_CP_PIN
 from mcore_compat.portable import exchange
@@ -279,7 +279,7 @@ class PortableAdapter(PackingAdapter):
         vpp_size = getattr(model_config, "virtual_pipeline_model_parallel_size", None)
         first = pp.rank() == 0 and (vp_stage is None or vp_stage == 0)
         last = pp.rank() == pp.size() - 1 and (vp_stage is None or vpp_size is None or vp_stage == vpp_size - 1)
-        mtp = mtp_on_this_rank(model_config, vp_stage)
+        mtp = self.mtp_on_this_rank(model_config, vp_stage)
         keys = (INPUT_KEYS if first or mtp else ()) + (TARGET_KEYS if last or mtp else ())
         device = exchange.group_device(tp)
         if tp.rank() == 0:
