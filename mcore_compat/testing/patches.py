@@ -1,0 +1,164 @@
+"""The CPU patches that let Megatron-Core's packing scheduler run on gloo without a GPU (P1-P6).
+
+:func:`cpu_patches` applies only the patches a run needs and restores everything on exit; nothing
+here is active unless a caller enters it.
+
+| # | patch | applied |
+|---|---|---|
+| P1 | stand-in ``triton`` module | only if ``import triton`` fails |
+| P2 | ``torch.cuda.current_device()`` returns the CPU device | always |
+| P3 | ``Tensor.cuda()`` returns the tensor itself | always |
+| P4 | ``torch.cuda.synchronize()`` is a no-op | dynamic CP (group warm-up) |
+| P5 | ``torch.distributed.barrier`` drops ``device_ids`` | dynamic CP (group warm-up) |
+| P6 | pure-torch THD zigzag partition in place of Transformer Engine's | CP slicing without TE |
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mcore_compat.generations import SCHEDULER_MODULE, SCHEDULER_UTILS_MODULE
+from mcore_compat.thd import thd_partitioned_indices
+
+PartitionFn = Callable[[torch.Tensor, int, int, int], torch.Tensor]
+_MISSING = object()
+
+
+class _Patcher:
+    """Set attributes and ``sys.modules`` entries, remembering how to undo each, in reverse order."""
+
+    def __init__(self) -> None:
+        self._undo: list[Callable[[], None]] = []
+        self.applied: list[str] = []
+
+    def setattr(self, target: Any, name: str, value: Any) -> None:
+        old = target.__dict__.get(name, _MISSING) if isinstance(target, type) else getattr(target, name, _MISSING)
+        setattr(target, name, value)
+        self._undo.append(lambda: delattr(target, name) if old is _MISSING else setattr(target, name, old))
+
+    def add_module(self, name: str, module: ModuleType) -> None:
+        old = sys.modules.get(name, _MISSING)
+        sys.modules[name] = module
+        self._undo.append(lambda: sys.modules.pop(name, None) if old is _MISSING else sys.modules.update({name: old}))
+
+    def restore(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+
+class _TritonStub:
+    """Any attribute of the stand-in triton: a type (torch's flop counter uses them in ``isinstance``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return args[0] if len(args) == 1 and callable(args[0]) and not kwargs else self
+
+
+def _jit(fn: Any = None, **kwargs: Any) -> Any:
+    return fn if fn is not None else (lambda inner: inner)
+
+
+def _stub_module(name: str) -> ModuleType:
+    module = ModuleType(name)
+    module.__dict__["jit"] = _jit
+    module.__dict__["__getattr__"] = lambda attr: type(attr, (_TritonStub,), {})
+    return module
+
+
+def _triton_missing() -> bool:
+    try:
+        importlib.import_module("triton")
+    except ImportError:
+        return True
+    return False
+
+
+def _apply_triton_stub(patcher: _Patcher) -> None:
+    triton = _stub_module("triton")
+    language = _stub_module("triton.language")
+    triton.__dict__["language"] = language
+    patcher.add_module("triton", triton)
+    patcher.add_module("triton.language", language)
+    patcher.applied.append("P1 stand-in triton")
+
+
+def _cpu_device() -> torch.device:
+    return torch.device("cpu")
+
+
+def _same_tensor(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return self
+
+
+def _no_sync(device: Any = None) -> None:
+    return None
+
+
+def _barrier_without_device_ids(original: Callable[..., Any]) -> Callable[..., Any]:
+    def barrier(*args: Any, device_ids: Any = None, **kwargs: Any) -> Any:
+        return original(*args, **kwargs)
+
+    return barrier
+
+
+def _import(name: str) -> ModuleType | None:
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+def _apply_partition(patcher: _Patcher, partition: PartitionFn) -> None:
+    """Replace TE's THD partition wherever this pin calls it, found by attribute presence."""
+    schedule = _import(SCHEDULER_MODULE)
+    utils = _import(SCHEDULER_UTILS_MODULE)
+    if schedule is not None and hasattr(schedule, "tex"):
+        patcher.setattr(schedule, "tex", SimpleNamespace(thd_get_partitioned_indices=partition))
+        patcher.applied.append(f"P6 {SCHEDULER_MODULE}.tex.thd_get_partitioned_indices")
+    if utils is not None and hasattr(utils, "get_thd_partitioned_indices"):
+        patcher.setattr(utils, "get_thd_partitioned_indices", partition)
+        patcher.applied.append(f"P6 {SCHEDULER_UTILS_MODULE}.get_thd_partitioned_indices")
+
+
+def transformer_engine_available() -> bool:
+    """Whether Transformer Engine is importable (then P6 is left out unless a partition is forced)."""
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+@contextmanager
+def cpu_patches(
+    *, context_parallel: bool = False, dynamic_cp: bool = False, partition: PartitionFn | None = None
+) -> Iterator[tuple[str, ...]]:
+    """Apply the CPU patches one run needs; yields their names, restores everything on exit.
+
+    ``context_parallel``: some CP group is larger than 1 (static cp > 1); ``dynamic_cp``: dynamic
+    CP groups are created and used. ``partition`` forces a THD partition function (negative
+    controls); by default P6 uses :func:`mcore_compat.thd.thd_partitioned_indices` when TE is absent.
+    """
+    patcher = _Patcher()
+    try:
+        if _triton_missing():
+            _apply_triton_stub(patcher)
+        patcher.setattr(torch.cuda, "current_device", _cpu_device)
+        patcher.setattr(torch.Tensor, "cuda", _same_tensor)
+        patcher.applied += ["P2 current_device -> cpu", "P3 Tensor.cuda no-op"]
+        if dynamic_cp:
+            patcher.setattr(torch.cuda, "synchronize", _no_sync)
+            patcher.setattr(dist, "barrier", _barrier_without_device_ids(dist.barrier))
+            patcher.applied += ["P4 cuda.synchronize no-op", "P5 barrier without device_ids"]
+        if (context_parallel or dynamic_cp) and (partition is not None or not transformer_engine_available()):
+            _apply_partition(patcher, partition or thd_partitioned_indices)
+        yield tuple(patcher.applied)
+    finally:
+        patcher.restore()

@@ -1,0 +1,214 @@
+"""Drive the ``packing`` facade end to end on gloo ranks and record every rank's microbatches.
+
+:func:`run_cases` launches one process group and runs every case in it (``destroy_model_parallel``,
+then ``initialize_model_parallel`` again), so the spawn and import cost is paid once. Per step each
+rank calls ``wrap_data_iterator_for_global_batch_packing``, then ``get_batch_for_global_batch_packing``
+and ``finalize_packed_seq_params`` for each returned microbatch, and records what it got.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mcore_compat.testing.checks import check_steps
+from mcore_compat.testing.launcher import launch
+from mcore_compat.testing.patches import cpu_patches
+from mcore_compat.testing.records import Case, CaseResult, MicrobatchRecord, RankStep
+
+REQUIRED_PGS = ["tp", "pp", "cp", "dp", "dp_cp"]
+MCORE_SRC_ENV = "MCORE_SRC"
+
+
+def locate_mcore() -> tuple[list[str], str | None]:
+    """Where ranks find Megatron-Core: ``(sys_path, None)``, or ``([], why not)``.
+
+    ``$MCORE_SRC`` (a Megatron-LM checkout root) wins over an installed ``megatron-core``.
+    """
+    src = os.environ.get(MCORE_SRC_ENV)
+    if src:
+        if not os.path.isfile(os.path.join(src, "megatron", "core", "__init__.py")):
+            return [], f"{MCORE_SRC_ENV}={src} is not a Megatron-LM checkout (no megatron/core/__init__.py)"
+        return [os.path.abspath(src)], None
+    try:
+        installed = importlib.util.find_spec("megatron.core") is not None
+    except ModuleNotFoundError:
+        installed = False
+    if installed:
+        return [], None
+    return [], f"no Megatron-Core: set {MCORE_SRC_ENV} to a Megatron-LM checkout or install megatron-core"
+
+
+@dataclass
+class CaseRun:
+    """One case across all ranks: the probe's reason when skipped, else ``steps[step][rank]``."""
+
+    case: Case
+    skipped: str | None
+    patches: tuple[str, ...] = ()
+    steps: list[list[RankStep]] = field(default_factory=list)
+
+    def errors(self) -> list[str]:
+        """Every check error of every step (empty when skipped)."""
+        return [] if self.skipped else check_steps(self.case, self.steps)
+
+
+def model_config(case: Case) -> SimpleNamespace:
+    """The duck-typed model config the scheduler and fetch read (mcore-api-generations §5.2)."""
+    return SimpleNamespace(
+        sequence_packing_scheduler=case.scheduler,
+        max_seqlen_per_dp_cp_rank=case.max_seqlen_per_dp_cp_rank,
+        virtual_pipeline_model_parallel_size=None,
+        microbatch_group_size_per_vp_stage=None,
+        dynamic_context_parallel=case.dynamic_cp,
+        min_dynamic_context_parallel_size=case.min_dynamic_cp_size,
+        pipeline_model_parallel_layout=None,
+        mtp_num_layers=None,
+    )
+
+
+def contiguous_split(cu_seqlens_padded: torch.Tensor, total_tokens: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """A deliberately wrong CP partition (a plain contiguous slice) for negative controls."""
+    local = total_tokens // cp_size
+    return torch.arange(cp_rank * local, (cp_rank + 1) * local, dtype=torch.int32)
+
+
+def _init_parallel_state(case: Case) -> None:
+    from mcore_compat import detect
+
+    parallel_state = importlib.import_module("megatron.core.parallel_state")
+    keywords: dict[str, Any] = {}
+    if case.dynamic_cp:
+        accepted = detect().init_cp_keywords
+        if "dynamic_context_parallel" in accepted:
+            keywords["dynamic_context_parallel"] = True
+        if "min_dynamic_context_parallel_size" in accepted:
+            keywords["min_dynamic_context_parallel_size"] = case.min_dynamic_cp_size
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=case.layout.tp,
+        pipeline_model_parallel_size=1,
+        context_parallel_size=case.layout.cp,
+        **keywords,
+    )
+
+
+def _clone(tensor: Any) -> torch.Tensor | None:
+    return tensor.detach().to("cpu").clone() if isinstance(tensor, torch.Tensor) else None
+
+
+def _int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def _record(batch: tuple[Any, ...], psp: Any, pg_collection: Any) -> MicrobatchRecord:
+    tokens, labels, loss_mask, attention_mask, position_ids, _, padding_mask = batch
+    attached = getattr(psp, "cp_group", None)
+    group = pg_collection.cp if attached is None else attached
+    route_set = getattr(psp, "cp_partition_route", None) is not None if hasattr(psp, "cp_partition_route") else None
+    return MicrobatchRecord(
+        tokens=_clone(tokens),
+        labels=_clone(labels),
+        loss_mask=_clone(loss_mask),
+        position_ids=_clone(position_ids),
+        padding_mask=_clone(padding_mask),
+        attention_mask_is_none=attention_mask is None,
+        qkv_format=getattr(psp, "qkv_format", None),
+        cu_seqlens_q=_clone(getattr(psp, "cu_seqlens_q", None)),
+        cu_seqlens_kv=_clone(getattr(psp, "cu_seqlens_kv", None)),
+        cu_seqlens_q_padded=_clone(getattr(psp, "cu_seqlens_q_padded", None)),
+        cu_seqlens_kv_padded=_clone(getattr(psp, "cu_seqlens_kv_padded", None)),
+        max_seqlen_q=_int(getattr(psp, "max_seqlen_q", None)),
+        max_seqlen_kv=_int(getattr(psp, "max_seqlen_kv", None)),
+        local_cp_size=_int(getattr(psp, "local_cp_size", None)),
+        cp_group_ranks=tuple(dist.get_process_group_ranks(group)),
+        cp_group_rank=group.rank(),
+        route_set=route_set,
+    )
+
+
+def _exhausted(iterator: Any) -> bool:
+    try:
+        next(iterator)
+    except StopIteration:
+        return True
+    return False
+
+
+def _run_step(case: Case, step: int, pg_collection: Any, config: Any) -> RankStep:
+    import packing
+
+    source = case.sample_spec.source(step, pg_collection.dp.rank())
+    packed, count, seqlen_sum, seqlen_squared_sum = packing.wrap_data_iterator_for_global_batch_packing(
+        source, config, case.num_microbatches, pg_collection
+    )
+    consumed = count - 1 if case.fault == "drop_last" else count
+    microbatches = []
+    for _ in range(consumed):
+        batch = packing.get_batch_for_global_batch_packing(packed, config, pg_collection=pg_collection, vp_stage=None)
+        psp = packing.finalize_packed_seq_params(batch[5], pg_collection)
+        microbatches.append(_record(batch, psp, pg_collection))
+    return RankStep(
+        rank=dist.get_rank(),
+        tp_rank=pg_collection.tp.rank(),
+        cp_rank=pg_collection.cp.rank(),
+        dp_rank=pg_collection.dp.rank(),
+        num_microbatches=count,
+        seqlen_sum=seqlen_sum,
+        seqlen_squared_sum=seqlen_squared_sum,
+        iterator_is_none=packed is None,
+        exhausted=None if packed is None else _exhausted(packed),
+        source_pulls=source.pulls,
+        microbatches=microbatches,
+    )
+
+
+def run_case_on_rank(rank: int, case: Case) -> CaseResult:
+    """Run one case on this rank (the process group is up); the probe's refusal skips it on every rank."""
+    partition = contiguous_split if case.fault == "wrong_split" else None
+    with cpu_patches(context_parallel=case.layout.cp > 1, dynamic_cp=case.dynamic_cp, partition=partition) as applied:
+        import packing
+
+        reason = packing.probe_global_batch_packing_support(case.scheduler, dynamic_cp=case.dynamic_cp)
+        if reason is not None:
+            return CaseResult(case, rank, skipped=reason, patches=applied)
+        _init_parallel_state(case)
+        try:
+            pgc = importlib.import_module("megatron.core.process_groups_config").ProcessGroupCollection
+            pg_collection = pgc.use_mpu_process_groups(required_pgs=REQUIRED_PGS)
+            config = model_config(case)
+            steps = [_run_step(case, step, pg_collection, config) for step in range(case.steps)]
+        finally:
+            importlib.import_module("megatron.core.parallel_state").destroy_model_parallel()
+    return CaseResult(case, rank, skipped=None, patches=applied, steps=steps)
+
+
+def _worker(rank: int, world_size: int, cases: Sequence[Case]) -> list[CaseResult]:
+    return [run_case_on_rank(rank, case) for case in cases]
+
+
+def run_cases(cases: Sequence[Case], *, sys_path: Sequence[str] = (), timeout: float = 240.0) -> list[CaseRun]:
+    """Run ``cases`` (one world size) in one gloo process group; returns what every rank recorded."""
+    sizes = {case.layout.world_size for case in cases}
+    if len(sizes) != 1:
+        raise ValueError(f"cases span world sizes {sorted(sizes)}: run one world size per launch")
+    per_rank: list[list[CaseResult]] = launch(
+        _worker, sizes.pop(), args=(list(cases),), timeout=timeout, sys_path=sys_path
+    )
+    runs = []
+    for index, case in enumerate(cases):
+        results = [rank_results[index] for rank_results in per_rank]
+        reasons = {r.skipped for r in results}
+        if len(reasons) != 1:
+            raise RuntimeError(f"{case.name}: ranks disagree on whether the pin can run it: {reasons}")
+        skipped = reasons.pop()
+        steps = [] if skipped else [[r.steps[s] for r in results] for s in range(case.steps)]
+        runs.append(CaseRun(case, skipped, results[0].patches, steps))
+    return runs

@@ -1,0 +1,134 @@
+"""Synthetic unpacked samples that follow the global-batch packing data contract and decode back.
+
+Every real token encodes ``(sample id, offset)`` as ``(id + 1) * TOKEN_BASE + offset`` and its label
+is ``token + 1``, so any packed, CP-split row can be traced to the exact samples and positions it
+came from. Samples depend on (seed, step, DP rank) only, so CP and TP siblings see identical data.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+TOKEN_BASE = 1_000_000
+PAD_TOKEN_ID = 7
+"""Distinctive pad id fed to the scheduler; it decodes to no sample (Megatron-Core writes 0 over padding)."""
+
+
+def encode(sample_id: int, offset: int) -> int:
+    """The token value of position ``offset`` of sample ``sample_id``."""
+    return (sample_id + 1) * TOKEN_BASE + offset
+
+
+def decode(token: int) -> tuple[int, int] | None:
+    """``(sample id, offset)`` of a real token, or None for padding and anything not produced by :func:`encode`."""
+    if token < TOKEN_BASE:
+        return None
+    return token // TOKEN_BASE - 1, token % TOKEN_BASE
+
+
+def alignment_multiple(*, tp: int, cp: int, dp: int, dynamic_cp: bool, sequence_parallel: bool = False) -> int:
+    """Padded-length multiple of the data contract: lcm(2·cp, cp·tp with SP) static, 2·dp·cp (·tp with SP) dynamic."""
+    if dynamic_cp:
+        return 2 * dp * cp * (tp if sequence_parallel else 1)
+    multiple = 2 * cp if cp > 1 else 1
+    return math.lcm(multiple, cp * tp) if sequence_parallel else multiple
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One unpacked sample: its global id, real length and padded length."""
+
+    id: int
+    length: int
+    padded_length: int
+
+    def token(self, offset: int) -> int:
+        return encode(self.id, offset) if offset < self.length else PAD_TOKEN_ID
+
+    def as_dict(self) -> dict[str, torch.Tensor]:
+        """The six contract keys: tokens, labels, loss_mask, position_ids, original_seq_len, padded_seq_len."""
+        real = torch.arange(self.length, dtype=torch.int64) + encode(self.id, 0)
+        pad = torch.full((self.padded_length - self.length,), PAD_TOKEN_ID, dtype=torch.int64)
+        tokens = torch.cat((real, pad))
+        loss_mask = torch.zeros(self.padded_length, dtype=torch.float32)
+        loss_mask[: self.length] = 1.0
+        return {
+            "tokens": tokens,
+            "labels": torch.where(loss_mask.bool(), tokens + 1, tokens),
+            "loss_mask": loss_mask,
+            "position_ids": torch.arange(self.padded_length, dtype=torch.int64),
+            "original_seq_len": torch.tensor([self.length], dtype=torch.int32),
+            "padded_seq_len": torch.tensor([self.padded_length], dtype=torch.int32),
+        }
+
+
+@dataclass(frozen=True)
+class SampleSpec:
+    """How one step's global batch is generated.
+
+    ``num_microbatches`` items are pulled per DP rank, each a dict (``samples_per_next == 1``) or a
+    list of dicts. Real lengths are drawn in ``[1, capacity]`` with a bias to short samples, and
+    padded up to ``multiple``; ``capacity`` is the longest padded length the bins hold.
+    """
+
+    seed: int
+    dp: int
+    num_microbatches: int
+    samples_per_next: int
+    multiple: int
+    capacity: int
+    long_fraction: float = 0.25
+
+    def __post_init__(self) -> None:
+        if self.capacity < self.multiple:
+            raise ValueError(
+                f"capacity={self.capacity} is below the alignment multiple {self.multiple}: raise "
+                "max_seqlen_per_dp_cp_rank so one aligned sample fits a bin"
+            )
+
+    @property
+    def samples_per_rank(self) -> int:
+        return self.num_microbatches * self.samples_per_next
+
+    def samples(self, step: int, dp_rank: int) -> list[Sample]:
+        """The samples DP rank ``dp_rank`` feeds at ``step``, in pull order."""
+        rng = random.Random(f"{self.seed}/{step}/{dp_rank}")
+        longest = self.capacity - self.capacity % self.multiple
+        short = max(1, min(longest, self.capacity // 4))
+        first_id = (step * self.dp + dp_rank) * self.samples_per_rank
+        out = []
+        for index in range(self.samples_per_rank):
+            length = rng.randint(1, longest if rng.random() < self.long_fraction else short)
+            padded = -(-length // self.multiple) * self.multiple
+            out.append(Sample(first_id + index, length, padded))
+        return out
+
+    def global_batch(self, step: int) -> list[Sample]:
+        """Every sample of the step, across DP ranks."""
+        return [s for dp_rank in range(self.dp) for s in self.samples(step, dp_rank)]
+
+    def source(self, step: int, dp_rank: int) -> SampleSource:
+        """A fresh iterator over this rank's items for ``step``."""
+        return SampleSource(self.samples(step, dp_rank), self.samples_per_next)
+
+
+class SampleSource(Iterator[Any]):
+    """Yields one dict (or a list of ``per_next`` dicts) per ``next()`` and counts the pulls."""
+
+    def __init__(self, samples: list[Sample], per_next: int) -> None:
+        self._items = [samples[i : i + per_next] for i in range(0, len(samples), per_next)]
+        self._per_next = per_next
+        self.pulls = 0
+
+    def __next__(self) -> Any:
+        if self.pulls >= len(self._items):
+            raise StopIteration
+        group = self._items[self.pulls]
+        self.pulls += 1
+        return group[0].as_dict() if self._per_next == 1 else [s.as_dict() for s in group]

@@ -1,0 +1,134 @@
+"""End to end: the ``packing`` facade on 4 gloo ranks against a real Megatron-Core.
+
+Megatron-Core comes from ``$MCORE_SRC`` (a Megatron-LM checkout) or the installed package; without
+either, or where the pin cannot run a scheduler, the tests skip with the reason. All cases run in
+one process group (one spawn per session); the negative controls prove the checks are live.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from mcore_compat.testing import Case, CaseRun, Layout, RankStep, check_steps, locate_mcore, run_cases, standard_cases
+
+SYS_PATH, NO_MCORE = locate_mcore()
+pytestmark = pytest.mark.skipif(NO_MCORE is not None, reason=NO_MCORE or "")
+
+POSITIVE = standard_cases()
+WRONG_SPLIT = Case(Layout(1, 2, 2), fault="wrong_split")
+DROP_LAST = Case(Layout(1, 2, 2), fault="drop_last")
+BASE = Case(Layout(1, 2, 2))
+TP2 = Case(Layout(2, 1, 2))
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[Case, CaseRun]:
+    return {run.case: run for run in run_cases([*POSITIVE, WRONG_SPLIT, DROP_LAST], sys_path=SYS_PATH)}
+
+
+def _ran(runs: dict[Case, CaseRun], case: Case) -> CaseRun:
+    run = runs[case]
+    if run.skipped:
+        pytest.skip(run.skipped)
+    return run
+
+
+@pytest.mark.parametrize("case", POSITIVE, ids=lambda case: case.name)
+def test_packed_steps_pass_every_check(runs: dict[Case, CaseRun], case: Case):
+    run = _ran(runs, case)
+    errors = run.errors()
+    assert not errors, f"{len(errors)} errors:\n" + "\n".join(errors[:20])
+    if case.layout.cp > 1 or case.dynamic_cp:
+        assert any(name.startswith("P6") for name in run.patches), run.patches
+    if case.dynamic_cp and case.layout.tp == 1:
+        sizes = {mb.local_cp_size for ranks in run.steps for r in ranks for mb in r.microbatches}
+        assert max(sizes) > 1, f"no dynamic CP group larger than 1 was formed: {sizes}"
+
+
+def test_wrong_split_is_caught(runs: dict[Case, CaseRun]):
+    errors = _ran(runs, WRONG_SPLIT).errors()
+    assert errors and all("zigzag" in e for e in errors), errors[:5]
+
+
+def test_dropped_microbatch_is_caught(runs: dict[Case, CaseRun]):
+    errors = _ran(runs, DROP_LAST).errors()
+    assert any("not exhausted" in e for e in errors), errors[:5]
+    assert any("real tokens missing" in e for e in errors), errors[:5]
+
+
+Mutation = Callable[[list[list[RankStep]]], None]
+
+
+def _first_padded(steps: list[list[RankStep]]) -> tuple[int, int, int]:
+    for s, ranks in enumerate(steps):
+        for r, record in enumerate(ranks):
+            for k, mb in enumerate(record.microbatches):
+                if mb.padding_mask is not None and bool(mb.padding_mask.any()):
+                    return s, r, k
+    raise AssertionError("no microbatch has padding slots")
+
+
+def _mb(steps: list[list[RankStep]], rank: int = 0, k: int = 0, step: int = 0):
+    return steps[step][rank].microbatches[k]
+
+
+def _unflag_padding(steps: list[list[RankStep]]) -> None:
+    s, r, k = _first_padded(steps)
+    mb = steps[s][r].microbatches[k]
+    mb.padding_mask = torch.zeros_like(mb.padding_mask)
+
+
+def _edit(name: str, value: Callable[[object], object], rank: int = 0) -> Mutation:
+    def mutate(steps: list[list[RankStep]]) -> None:
+        mb = _mb(steps, rank)
+        setattr(mb, name, value(getattr(mb, name)))
+
+    return mutate
+
+
+def _edit_rank(name: str, value: Callable[[object], object], rank: int) -> Mutation:
+    def mutate(steps: list[list[RankStep]]) -> None:
+        setattr(steps[0][rank], name, value(getattr(steps[0][rank], name)))
+
+    return mutate
+
+
+def _bump_token(t: torch.Tensor) -> torch.Tensor:
+    t = t.clone()
+    t[0, -1] += 1
+    return t
+
+
+def _duplicate_microbatch(steps: list[list[RankStep]]) -> None:
+    steps[0][0].microbatches.append(copy.deepcopy(_mb(steps)))
+
+
+MUTATIONS: list[tuple[str, Case, Mutation, str]] = [
+    ("token", BASE, _edit("tokens", _bump_token, rank=1), "tokens differs from the zigzag model"),
+    ("cu_seqlens dtype", BASE, _edit("cu_seqlens_q", lambda t: t.long()), "1-D int32"),
+    ("cu_seqlens start", BASE, _edit("cu_seqlens_kv_padded", lambda t: t + 2), "starts at 2"),
+    ("max_seqlen", BASE, _edit("max_seqlen_q", lambda v: v + 1), "max_seqlen_q/kv"),
+    ("shape", BASE, _edit("labels", lambda t: t.reshape(-1)), "labels is"),
+    ("padding flag", BASE, _unflag_padding, "padding_mask differs"),
+    ("local_cp_size", BASE, _edit("local_cp_size", lambda v: 4), "local_cp_size=4"),
+    ("route", BASE, _edit("route_set", lambda v: False), "cp_partition_route not set"),
+    ("cp group", BASE, _edit("cp_group_ranks", lambda v: (0, 2)), "not the static CP group"),
+    ("count", BASE, _edit_rank("num_microbatches", lambda n: n + 1, rank=2), "num_microbatches differs"),
+    ("seqlen sum", BASE, _edit_rank("seqlen_sum", lambda v: v + 1, rank=3), "seqlen sums"),
+    ("duplicate", BASE, _duplicate_microbatch, "appear more than once"),
+    ("TP replica", TP2, _edit("labels", _bump_token, rank=1), "differs from TP rank 0"),
+    ("iterator off TP 0", TP2, _edit_rank("iterator_is_none", lambda v: False, rank=1), "got a packed iterator"),
+]
+
+
+@pytest.mark.parametrize(("case", "mutate", "message"), [m[1:] for m in MUTATIONS], ids=[m[0] for m in MUTATIONS])
+def test_each_check_is_live(runs: dict[Case, CaseRun], case: Case, mutate: Mutation, message: str):
+    steps = copy.deepcopy(_ran(runs, case).steps)
+    assert not check_steps(case, steps)
+    mutate(steps)
+    errors = check_steps(case, steps)
+    assert any(message in e for e in errors), errors[:5]

@@ -1,0 +1,53 @@
+"""The launcher returns every rank's result, and a failing or hung rank ends the group with a report."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mcore_compat.testing.launcher import LaunchError, launch
+
+
+def sum_of_ranks(rank: int, world_size: int, scale: int) -> tuple[int, str]:
+    value = torch.tensor([rank * scale])
+    dist.all_reduce(value)
+    return int(value), os.environ["OMP_NUM_THREADS"]
+
+
+def one_rank_fails(rank: int, world_size: int, how: str) -> None:
+    if rank == 1:
+        if how == "raises":
+            raise ValueError("boom from rank 1")
+        os._exit(3)
+    dist.barrier()
+
+
+def one_rank_hangs(rank: int, world_size: int) -> None:
+    if rank == 1:
+        time.sleep(3600)
+    dist.barrier()
+
+
+def test_results_by_rank():
+    assert launch(sum_of_ranks, 2, args=(10,), timeout=120) == [(10, "1"), (10, "1")]
+
+
+@pytest.mark.parametrize(("how", "message"), [("raises", "ValueError: boom from rank 1"), ("exits", "exit code 3")])
+def test_a_failing_rank_ends_the_group(how: str, message: str):
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match="rank 1 failed") as info:
+        launch(one_rank_fails, 2, args=(how,), timeout=120)
+    assert message in str(info.value)
+    assert time.monotonic() - start < 60, "rank 0 waited in its barrier instead of being ended"
+
+
+def test_a_hung_rank_times_out_with_stacks():
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match=r"still running after 8 s") as info:
+        launch(one_rank_hangs, 2, timeout=8)
+    assert "Stacks:" in str(info.value)
+    assert time.monotonic() - start < 20

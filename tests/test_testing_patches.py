@@ -1,0 +1,67 @@
+"""The CPU patches are active only inside the context, only where needed, and fully restored."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mcore_compat.testing.patches import cpu_patches
+
+
+def _originals() -> tuple[object, ...]:
+    return (torch.cuda.current_device, torch.cuda.synchronize, dist.barrier, "cuda" in vars(torch.Tensor))
+
+
+def test_nothing_is_active_outside_the_context():
+    before = _originals()
+    with cpu_patches():
+        assert torch.cuda.current_device() == torch.device("cpu")
+        tensor = torch.ones(2)
+        assert tensor.cuda() is tensor
+    assert _originals() == before
+
+
+@pytest.mark.parametrize(
+    ("dynamic_cp", "patched"),
+    [(False, {"P2", "P3"}), (True, {"P2", "P3", "P4", "P5"})],
+)
+def test_dynamic_cp_patches_only_with_dynamic_cp(dynamic_cp: bool, patched: set[str]):
+    sync = torch.cuda.synchronize
+    with cpu_patches(dynamic_cp=dynamic_cp) as applied:
+        assert {name.split()[0] for name in applied} - {"P1", "P6"} == patched
+        assert (torch.cuda.synchronize is not sync) == dynamic_cp
+    assert torch.cuda.synchronize is sync
+
+
+def test_barrier_drops_device_ids(monkeypatch: pytest.MonkeyPatch):
+    calls = []
+    monkeypatch.setattr(dist, "barrier", lambda *args, **kwargs: calls.append((args, kwargs)))
+    with cpu_patches(dynamic_cp=True):
+        dist.barrier(group="g", device_ids=[torch.device("cpu")])
+    assert calls == [((), {"group": "g"})]
+
+
+def test_restored_after_an_exception():
+    before = _originals()
+    with pytest.raises(RuntimeError, match="inside"), cpu_patches(dynamic_cp=True):
+        raise RuntimeError("inside")
+    assert _originals() == before
+
+
+def test_triton_stand_in_only_when_the_import_fails(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setitem(sys.modules, "triton", None)
+    with cpu_patches() as applied:
+        import triton
+        import triton.language as tl
+
+        assert "P1 stand-in triton" in applied
+
+        def kernel() -> None: ...
+
+        assert triton.jit(kernel) is kernel
+        assert triton.autotune(configs=[], key=[])(kernel) is kernel
+        assert isinstance(triton.Config, type) and isinstance(tl.constexpr, type)
+    assert sys.modules["triton"] is None
