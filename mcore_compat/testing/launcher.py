@@ -71,15 +71,15 @@ def _bootstrap(
             world_size=world_size,
             timeout=timedelta(seconds=pg_timeout_s),
         )
-        try:
-            result = target(rank, world_size, *args)
-        finally:
-            dist.destroy_process_group()
-        torch.save(result, f"{base}.tmp")  # not pickle: megatron.core swaps torch's storage unpickler
-        os.replace(f"{base}.tmp", f"{base}.result")
+        result = target(rank, world_size, *args)
     except BaseException:
+        # Report before anything else: tearing the group down first would fail the peers sooner.
         Path(f"{base}.error").write_text(traceback.format_exc())
-        sys.exit(1)
+        sys.stderr.flush()
+        os._exit(1)
+    dist.destroy_process_group()
+    torch.save(result, f"{base}.tmp")  # not pickle: megatron.core swaps torch's storage unpickler
+    os.replace(f"{base}.tmp", f"{base}.result")
 
 
 def _load(path: Path) -> Any:
@@ -98,9 +98,10 @@ def _kill(processes: Sequence[multiprocessing.process.BaseProcess]) -> None:
 
 
 def _failure_report(workdir: Path, failed: list[int], exitcodes: list[int | None]) -> str:
-    def when(rank: int) -> float:
+    def when(rank: int) -> tuple[bool, float]:
+        # A rank that died without a traceback (killed, os._exit) comes first: its peers only saw it vanish.
         error = workdir / f"rank{rank}.error"
-        return error.stat().st_mtime if error.exists() else float("inf")
+        return (True, error.stat().st_mtime) if error.exists() else (False, 0.0)
 
     first, *others = sorted(failed, key=when)
     error = workdir / f"rank{first}.error"
