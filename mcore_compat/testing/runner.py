@@ -100,6 +100,25 @@ def _init_parallel_state(case: Case) -> None:
     )
 
 
+def mpu_pg_collection() -> Any:
+    """The model's ``ProcessGroupCollection`` from ``parallel_state``.
+
+    megatron-core 0.13-0.15 predate it (their ``ModelCommProcessGroups`` has no DP groups); there a
+    namespace with the same five groups stands in.
+    """
+    groups = importlib.import_module("megatron.core.process_groups_config")
+    if hasattr(groups, "ProcessGroupCollection"):
+        return groups.ProcessGroupCollection.use_mpu_process_groups(required_pgs=REQUIRED_PGS)
+    parallel_state = importlib.import_module("megatron.core.parallel_state")
+    return SimpleNamespace(
+        tp=parallel_state.get_tensor_model_parallel_group(),
+        pp=parallel_state.get_pipeline_model_parallel_group(),
+        cp=parallel_state.get_context_parallel_group(),
+        dp=parallel_state.get_data_parallel_group(),
+        dp_cp=parallel_state.get_data_parallel_group(with_context_parallel=True),
+    )
+
+
 def _clone(tensor: Any) -> torch.Tensor | None:
     return tensor.detach().to("cpu").clone() if isinstance(tensor, torch.Tensor) else None
 
@@ -181,8 +200,7 @@ def run_case_on_rank(rank: int, case: Case) -> CaseResult:
             return CaseResult(case, rank, skipped=reason, patches=applied)
         _init_parallel_state(case)
         try:
-            pgc = importlib.import_module("megatron.core.process_groups_config").ProcessGroupCollection
-            pg_collection = pgc.use_mpu_process_groups(required_pgs=REQUIRED_PGS)
+            pg_collection = mpu_pg_collection()
             config = model_config(case)
             steps = [_run_step(case, step, pg_collection, config) for step in range(case.steps)]
         finally:
