@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
 from tests.fake_mcore import FakeMCore, g0, g1, g2, g4, g5, g7, installed, m1, m3
 
+PROJECT = Path(__file__).resolve().parents[1]
 FAMILIES: tuple[ModuleType, ...] = (g0, g1, g2, g4, g5, g7, m1, m3)
 FAKE_GENERATIONS: list[tuple[ModuleType, str]] = [(family, gen) for family in FAMILIES for gen in family.GENERATIONS]
 
@@ -19,3 +26,22 @@ def fake_mcore(request: pytest.FixtureRequest) -> Iterator[FakeMCore]:
     family, generation = request.param
     with installed(family.build(generation)) as fake:
         yield fake
+
+
+def run_doctor(
+    *pythonpath: Path, as_json: bool = True, timeout_s: int = 900, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``python -m mcore_compat doctor [--json]`` in a fresh interpreter with ``pythonpath`` before the project.
+
+    The caller's ``PYTHONPATH`` is dropped, so with no ``pythonpath`` the installed megatron-core (if any) is seen.
+    """
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, (*pythonpath, PROJECT))), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "mcore_compat", "doctor", *(["--json"] if as_json else [])]
+    return subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd or PROJECT, timeout=timeout_s)
+
+
+def doctor_report(*pythonpath: Path, cwd: Path | None = None) -> tuple[int, dict[str, Any]]:
+    """The doctor's exit status and parsed ``--json`` report."""
+    proc = run_doctor(*pythonpath, cwd=cwd)
+    assert proc.stdout, proc.stderr[-4000:]
+    return proc.returncode, json.loads(proc.stdout)
