@@ -1,11 +1,11 @@
-"""Command line: ``mcore-compat doctor [--json]``."""
+"""Command line: ``mcore-compat doctor [--json]`` and ``mcore-compat pin list | status | <pin>``."""
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
 
-from mcore_compat import doctor
+from mcore_compat import doctor, pins
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -13,6 +13,13 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     doctor_cmd = commands.add_parser("doctor", help="report what the installed Megatron-Core can do")
     doctor_cmd.add_argument("--json", action="store_true", help="machine-readable output")
+    pin_cmd = commands.add_parser("pin", help="list the supported Megatron-Core pins, show or switch this one")
+    pin_cmd.add_argument(
+        "action",
+        metavar="list|status|PIN",
+        help="list: pins and how each installs; status: what is installed and which pin it is; "
+        "PIN: install that pin here with pip, then print the doctor table",
+    )
     return parser
 
 
@@ -20,4 +27,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "doctor":
         return doctor.run(as_json=args.json)
+    if args.command == "pin":
+        return pins.main(args.action)
     raise AssertionError(args.command)

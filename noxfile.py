@@ -1,0 +1,211 @@
+"""nox sessions: ``lint``, a fast ``tests`` run, a ``demo`` and one real-install session per Megatron-Core pin.
+
+    nox -l                           list the sessions
+    nox                              lint + tests (fast: no Megatron-Core installed; $MCORE_SRC checkouts if set)
+    nox -s test-mcore-core_r0_16     install megatron-core 0.16.1 for real, then this project, then the whole suite
+    nox -t matrix                    lint + every pin session (the README's test command and CI run this)
+
+The pins, their Python and how each installs live in mcore_compat/pins.toml. Python 3.11/3.12 are found on
+PATH, through pyenv (whose interpreters are not on PATH unless selected), or from $PYTHON_3_11 / $PYTHON_3_12.
+The 3.12 pins share one environment (.nox/shared-py3.12; only CUDA torch builds exist for 3.12, about 5.5 GB):
+delete it to rebuild it from scratch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import nox
+
+ROOT = Path(__file__).resolve().parent
+MATRIX_TAG = "matrix"
+DEMO_PIN = "core_r0.16"
+RUFF = "ruff==0.17.6"
+
+nox.needs_version = ">=2025.2.9"
+nox.options.default_venv_backend = "venv"
+nox.options.error_on_missing_interpreters = True
+if hasattr(nox.options, "download_python"):
+    nox.options.download_python = "never"
+
+
+def _load_pins() -> ModuleType:
+    """mcore_compat/pins.py on its own: the package itself may need torch, which nox's environment lacks."""
+    spec = importlib.util.spec_from_file_location("_mcore_compat_pins", ROOT / "mcore_compat" / "pins.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+pins = _load_pins()
+TABLE = pins.load()
+
+
+def _series_of(python: str) -> str | None:
+    try:
+        out = subprocess.run(
+            [python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def _pyenv_python(series: str) -> str | None:
+    pyenv = shutil.which("pyenv")
+    if pyenv is None:
+        return None
+    latest = subprocess.run([pyenv, "latest", series], capture_output=True, text=True, check=False)
+    if latest.returncode != 0:
+        return None
+    prefix = subprocess.run([pyenv, "prefix", latest.stdout.strip()], capture_output=True, text=True, check=False)
+    return str(Path(prefix.stdout.strip()) / "bin" / f"python{series}") if prefix.returncode == 0 else None
+
+
+def find_python(series: str) -> str:
+    """An absolute path to a working ``python<series>``, or ``series`` itself so that nox reports it missing."""
+    override = os.environ.get(f"PYTHON_{series.replace('.', '_')}")
+    candidates = [
+        override,
+        sys.executable if _series_of(sys.executable) == series else None,
+        shutil.which(f"python{series}"),
+        _pyenv_python(series),
+    ]
+    for candidate in filter(None, candidates):
+        if _series_of(candidate) == series:
+            return candidate
+    return series
+
+
+PYTHONS = {series: find_python(series) for series in TABLE.pythons}
+PY311 = PYTHONS["3.11"]
+
+
+def _pip(session: nox.Session, python: Path, *args: str) -> None:
+    if args:
+        session.run(str(python), "-m", "pip", "install", *args, external=True)
+
+
+def _pytest(session: nox.Session, python: Path, env: dict[str, str | None]) -> None:
+    """The whole suite; pytest's "no tests collected" (exit 5) fails the session like any other failure."""
+    bin_dir = str(python.parent)
+    env = {
+        "PATH": os.pathsep.join((bin_dir, os.environ.get("PATH", ""))),
+        "VIRTUAL_ENV": str(python.parent.parent),
+    } | env
+    session.run(str(python), "-m", "pytest", "tests", *session.posargs, env=env, external=True, success_codes=[0])
+
+
+def _shared_environment(session: nox.Session, series: str) -> Path:
+    """One environment for all pins of ``series``, created on first use and kept (pip switches the pin in it)."""
+    interpreter = PYTHONS[series]
+    if not Path(interpreter).is_absolute():
+        variable = f"PYTHON_{series.replace('.', '_')}"
+        session.error(f"Python {series} not found: install it with pyenv, put python{series} on PATH or set {variable}")
+    env_dir = session.cache_dir.parent.resolve() / f"shared-py{series}"
+    python = env_dir / "bin" / "python"
+    ready = env_dir / ".base-installed"
+    if not ready.is_file():
+        shutil.rmtree(env_dir, ignore_errors=True)
+        session.run(interpreter, "-m", "venv", str(env_dir), external=True)
+        _pip(session, python, *TABLE.pythons[series].base)
+        ready.write_text("\n".join(TABLE.pythons[series].base) + "\n")
+    return python
+
+
+def _install_pin(session: nox.Session, pin: pins.Pin) -> tuple[Path, Path | None]:
+    """Install ``pin`` and then this project (not editable: the installed package is what users get)."""
+    try:
+        source = pins.resolve_source(pin, os.environ)
+    except pins.SourceUnavailable as exc:
+        session.skip(str(exc))
+    except pins.PinError as exc:
+        session.error(str(exc))
+    series = TABLE.pythons[pin.python]
+    if series.shared:
+        python = _shared_environment(session, pin.python)
+    else:
+        python = Path(session.bin) / "python"
+        _pip(session, python, *series.base)
+    for args in pins.install_plan(pin, source):
+        _pip(session, python, *args)
+    _pip(session, python, f"{ROOT}[test]")
+    return python, source
+
+
+def _pin_session(pin: pins.Pin) -> None:
+    shared = TABLE.pythons[pin.python].shared
+
+    def run(session: nox.Session) -> None:
+        python, source = _install_pin(session, pin)
+        _pytest(
+            session,
+            python,
+            {"MCORE_COMPAT_EXPECT_PIN": pin.name, "MCORE_SRC": str(source) if source else None},
+        )
+
+    run.__doc__ = f"{pin.name} (Python {pin.python}): {pin.how()}; then the whole suite"
+    nox.session(
+        run,
+        name=pin.session,
+        python=None if shared else PYTHONS[pin.python],
+        venv_backend="none" if shared else None,
+        tags=[MATRIX_TAG],
+        default=False,
+    )
+
+
+@nox.session(python=PY311, tags=[MATRIX_TAG])
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check."""
+    session.install(RUFF)
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session(python=PY311, reuse_venv=True)
+def tests(session: nox.Session) -> None:
+    """Fast: the suite without an installed Megatron-Core (checkouts named by $MCORE_SRC are used by tests)."""
+    project = nox.project.load_toml(ROOT / "pyproject.toml")["project"]
+    source_needs = [req for pin in TABLE.pins.values() if pin.git for req in pin.requires]
+    needs = [
+        *TABLE.pythons["3.11"].base,
+        *source_needs,
+        *project["dependencies"],
+        *project["optional-dependencies"]["test"],
+    ]
+    first_by_name: dict[str, str] = {}
+    for req in needs:
+        first_by_name.setdefault(re.match(r"[A-Za-z0-9._-]+", req)[0].lower(), req)
+    first_by_name.pop("megatron-core", None)
+    session.install(*first_by_name.values())
+    session.install("--no-deps", "-e", str(ROOT))
+    _pytest(session, Path(session.bin) / "python", {})
+
+
+@nox.session(python=PY311, default=False)
+def demo(session: nox.Session) -> None:
+    """Install a Megatron-Core pin ($MCORE_PIN, default core_r0.16) and this project, then run the demo."""
+    pin = TABLE.get(os.environ.get("MCORE_PIN", DEMO_PIN))
+    if pin.python != "3.11":
+        session.error(f"MCORE_PIN={pin.name!r} needs Python {pin.python}; the demo runs on 3.11: pick a 3.11 pin")
+    _install_pin(session, pin)
+    session.run("mcore-compat", "doctor", success_codes=[0, 1])
+    # Demo step: `mcore-compat demo` (a real packing step on CPU) is run here once the CPU harness adds it.
+
+
+for _pin in TABLE.pins.values():
+    _pin_session(_pin)
