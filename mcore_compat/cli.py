@@ -1,4 +1,4 @@
-"""Command line: ``mcore-compat doctor [--json]`` and ``mcore-compat pin list | status | <pin>``."""
+"""Command line: ``mcore-compat doctor [--json]``, ``mcore-compat pin list | status | <pin>`` and ``mcore-compat demo``."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="list: pins and how each installs; status: what is installed and which pin it is; "
         "PIN: install that pin here with pip, then print the doctor table",
     )
+    commands.add_parser("demo", help="doctor, then one 4-rank CPU packing step through the facade (gloo)")
     return parser
 
 
@@ -29,4 +30,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return doctor.run(as_json=args.json)
     if args.command == "pin":
         return pins.main(args.action)
+    if args.command == "demo":
+        from mcore_compat import demo
+
+        return demo.run()
     raise AssertionError(args.command)

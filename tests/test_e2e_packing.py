@@ -8,12 +8,19 @@ one process group (one spawn per session); the negative controls prove the check
 from __future__ import annotations
 
 import copy
+import os
+import re
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 
+from mcore_compat.demo import DEMO_CASE, format_run
 from mcore_compat.testing import Case, CaseRun, Layout, RankStep, check_steps, locate_mcore, run_cases, standard_cases
+from mcore_compat.testing.launcher import DEFAULT_BYTECODE_CACHE
 
 SYS_PATH, NO_MCORE = locate_mcore()
 pytestmark = pytest.mark.skipif(NO_MCORE is not None, reason=NO_MCORE or "")
@@ -27,7 +34,8 @@ TP2 = Case(Layout(2, 1, 2))
 
 @pytest.fixture(scope="module")
 def runs() -> dict[Case, CaseRun]:
-    return {run.case: run for run in run_cases([*POSITIVE, WRONG_SPLIT, DROP_LAST], sys_path=SYS_PATH)}
+    cases = dict.fromkeys([*POSITIVE, WRONG_SPLIT, DROP_LAST, DEMO_CASE])
+    return {run.case: run for run in run_cases(list(cases), sys_path=SYS_PATH)}
 
 
 def _ran(runs: dict[Case, CaseRun], case: Case) -> CaseRun:
@@ -132,3 +140,34 @@ def test_each_check_is_live(runs: dict[Case, CaseRun], case: Case, mutate: Mutat
     mutate(steps)
     errors = check_steps(case, steps)
     assert any(message in e for e in errors), errors[:5]
+
+
+def test_demo_report_matches_the_records(runs: dict[Case, CaseRun]):
+    run = _ran(runs, DEMO_CASE)
+    report = format_run(run, run.errors())
+    rows = [
+        list(map(int, re.findall(r"\d+", line)[:7])) for line in report.splitlines() if re.match(r"\s+\d+\s+\d", line)
+    ]
+    assert [row[0] for row in rows] == [0, 1, 2, 3]
+    real_tokens = sum(s.length for s in DEMO_CASE.sample_spec.global_batch(0))
+    assert sum(row[5] for row in rows) == real_tokens
+    assert f"microbatches per step: {run.steps[0][0].num_microbatches}" in report
+    assert report.rstrip().endswith("all end-to-end checks passed")
+
+
+def test_demo_command_runs_a_packing_step():
+    root = Path(__file__).resolve().parents[1]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(root), *SYS_PATH, os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPYCACHEPREFIX": DEFAULT_BYTECODE_CACHE,  # the ranks' bytecode cache serves the doctor too
+        "PYTHONDONTWRITEBYTECODE": "",
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "mcore_compat", "demo"], capture_output=True, text=True, env=env, timeout=300
+    )
+    if done.returncode != 0 and "cannot run a packing step on this pin" in done.stdout:
+        pytest.skip(done.stdout.strip().splitlines()[-1])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "global-batch packing: available" in done.stdout
+    assert "all end-to-end checks passed" in done.stdout

@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -26,6 +26,9 @@ from typing import Any
 
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
 """Environment of every rank: one thread each, gloo on the loopback interface."""
+DEFAULT_BYTECODE_CACHE = os.path.join(
+    os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "mcore-compat", "pycache"
+)
 
 
 class LaunchError(RuntimeError):
@@ -54,8 +57,14 @@ def _bootstrap(
     args: tuple[Any, ...],
     sys_path: tuple[str, ...],
     pg_timeout_s: float,
+    bytecode_cache: str | None,
 ) -> None:
     sys.path[:0] = [p for p in sys_path if p not in sys.path]
+    if bytecode_cache:
+        # spawn passes -B on when the parent runs without writing bytecode; source trees such as a
+        # Megatron-LM checkout then recompile on every start. Cache their bytecode outside the tree.
+        sys.pycache_prefix = bytecode_cache
+        sys.dont_write_bytecode = False
     base = Path(workdir) / f"rank{rank}"
     stacks = open(f"{base}.stacks", "w")  # noqa: SIM115 - faulthandler writes to it until exit
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
@@ -144,6 +153,8 @@ def launch(
     timeout: float = 180.0,
     sys_path: Sequence[str] = (),
     pg_timeout: float | None = None,
+    bytecode_cache: str | None = DEFAULT_BYTECODE_CACHE,
+    env: Mapping[str, str] | None = None,
 ) -> list[Any]:
     """Run ``target(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the results by rank.
 
@@ -151,6 +162,8 @@ def launch(
     first on each rank's ``sys.path`` and ``PYTHONPATH`` (e.g. a Megatron-LM checkout). Raises
     :class:`LaunchError` when a rank fails or ``timeout`` seconds pass; collectives time out after
     ``pg_timeout`` seconds (default: ``timeout``) so a rank blocked on a dead peer also ends.
+    Ranks keep the bytecode of what they import under ``bytecode_cache`` (None: Python's default);
+    ``env`` adds environment variables (e.g. ``PYTHONWARNINGS``).
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size}: launch at least one rank")
@@ -160,14 +173,14 @@ def launch(
     processes = [
         context.Process(
             target=_bootstrap,
-            args=(rank, world_size, str(workdir), target, args, tuple(sys_path), pg_timeout or timeout),
+            args=(rank, world_size, str(workdir), target, args, tuple(sys_path), pg_timeout or timeout, bytecode_cache),
             name=f"mcore-compat-rank{rank}",
             daemon=True,
         )
         for rank in range(world_size)
     ]
     try:
-        with _environment({**WORKER_ENV, "PYTHONPATH": pythonpath}):
+        with _environment({**WORKER_ENV, "PYTHONPATH": pythonpath, **(env or {})}):
             for process in processes:
                 process.start()
         deadline = time.monotonic() + timeout

@@ -113,6 +113,8 @@ class RankStep:
     """On ranks with a packed iterator: whether ``next()`` raised StopIteration after the consumed microbatches."""
     source_pulls: int
     microbatches: list[MicrobatchRecord] = field(default_factory=list)
+    seconds: float = 0.0
+    """Wall time of the wrap and every fetch and finalize of the step on this rank."""
 
 
 @dataclass

@@ -11,7 +11,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -165,6 +166,7 @@ def _run_step(case: Case, step: int, pg_collection: Any, config: Any) -> RankSte
     import packing
 
     source = case.sample_spec.source(step, pg_collection.dp.rank())
+    start = time.perf_counter()
     packed, count, seqlen_sum, seqlen_squared_sum = packing.wrap_data_iterator_for_global_batch_packing(
         source, config, case.num_microbatches, pg_collection
     )
@@ -174,6 +176,7 @@ def _run_step(case: Case, step: int, pg_collection: Any, config: Any) -> RankSte
         batch = packing.get_batch_for_global_batch_packing(packed, config, pg_collection=pg_collection, vp_stage=None)
         psp = packing.finalize_packed_seq_params(batch[5], pg_collection)
         microbatches.append(_record(batch, psp, pg_collection))
+    seconds = time.perf_counter() - start
     return RankStep(
         rank=dist.get_rank(),
         tp_rank=pg_collection.tp.rank(),
@@ -186,6 +189,7 @@ def _run_step(case: Case, step: int, pg_collection: Any, config: Any) -> RankSte
         exhausted=None if packed is None else _exhausted(packed),
         source_pulls=source.pulls,
         microbatches=microbatches,
+        seconds=seconds,
     )
 
 
@@ -212,13 +216,22 @@ def _worker(rank: int, world_size: int, cases: Sequence[Case]) -> list[CaseResul
     return [run_case_on_rank(rank, case) for case in cases]
 
 
-def run_cases(cases: Sequence[Case], *, sys_path: Sequence[str] = (), timeout: float = 240.0) -> list[CaseRun]:
-    """Run ``cases`` (one world size) in one gloo process group; returns what every rank recorded."""
+def run_cases(
+    cases: Sequence[Case],
+    *,
+    sys_path: Sequence[str] = (),
+    timeout: float = 240.0,
+    env: Mapping[str, str] | None = None,
+) -> list[CaseRun]:
+    """Run ``cases`` (one world size) in one gloo process group; returns what every rank recorded.
+
+    ``sys_path`` and ``env`` reach every rank (see :func:`~mcore_compat.testing.launcher.launch`).
+    """
     sizes = {case.layout.world_size for case in cases}
     if len(sizes) != 1:
         raise ValueError(f"cases span world sizes {sorted(sizes)}: run one world size per launch")
     per_rank: list[list[CaseResult]] = launch(
-        _worker, sizes.pop(), args=(list(cases),), timeout=timeout, sys_path=sys_path
+        _worker, sizes.pop(), args=(list(cases),), timeout=timeout, sys_path=sys_path, env=env
     )
     runs = []
     for index, case in enumerate(cases):
