@@ -1,4 +1,4 @@
-"""Command line: ``mcore-compat doctor [--json]``, ``mcore-compat pin list | status | <pin>`` and ``mcore-compat demo``."""
+"""Command line: ``mcore-compat doctor [--json]``, ``mcore-compat pin list | status | <pin>``, ``mcore-compat demo``."""
 
 from __future__ import annotations
 
