@@ -168,30 +168,35 @@ WRAP_RANKS = [
 ]
 
 
+@pytest.mark.parametrize("vpp_size", [None, 2], ids=["no-vpp", "vpp2"])
 @pytest.mark.parametrize(
     ("tp_rank", "pp_rank", "pp_size", "first_last", "every"),
     WRAP_RANKS,
     ids=[f"tp{r[0]}-pp{r[1]}of{r[2]}" for r in WRAP_RANKS],
 )
 def test_wrap_passes_iterator_only_where_data_lives(
-    fake_mcore: FakeMCore, tp_rank: int, pp_rank: int, pp_size: int, first_last: bool, every: bool
+    fake_mcore: FakeMCore, tp_rank: int, pp_rank: int, pp_size: int, first_last: bool, every: bool, vpp_size: int | None
 ) -> None:
     require_native(fake_mcore)
-    config = packing_config()
+    config = packing_config(vpp_size=vpp_size)
     pgc = pg_collection(tp_rank=tp_rank, pp_rank=pp_rank, pp_size=pp_size)
     raw = iter(samples())
+    given = raw if vpp_size is None else [raw, None]
     if fake_mcore.generation not in NATIVE_ADAPTER:
         with pytest.raises(ValueError, match=f"detected {fake_mcore.generation} "):
-            packing.wrap_data_iterator_for_global_batch_packing(raw, config, len(LENGTHS), pgc)
+            packing.wrap_data_iterator_for_global_batch_packing(given, config, len(LENGTHS), pgc)
         assert fake_mcore.calls["wrap_data_iterator"] == []
         return
     owns = every if PP_DATA_STAGES[fake_mcore.generation] == "every" else first_last
     fake_mcore.tp_broadcast = (2, float(sum(LENGTHS)), float(sum(n * n for n in LENGTHS)))
 
-    result = packing.wrap_data_iterator_for_global_batch_packing(raw, config, len(LENGTHS), pgc)
+    result = packing.wrap_data_iterator_for_global_batch_packing(given, config, len(LENGTHS), pgc)
 
     [call] = fake_mcore.calls["wrap_data_iterator"]
-    assert call.bound["data_iterator"] is (raw if owns else None)
+    if owns:
+        assert call.bound["data_iterator"] is given
+    else:
+        assert call.bound["data_iterator"] == (None if vpp_size is None else [None] * vpp_size)
     assert call.bound["config"] is config
     assert call.bound["num_microbatches"] == len(LENGTHS)
     assert call.kwargs["pg_collection"] is pgc
@@ -202,7 +207,8 @@ def test_wrap_passes_iterator_only_where_data_lives(
     assert (count, seqlen_sum, seqlen_squared_sum) == (2, float(sum(LENGTHS)), float(sum(n * n for n in LENGTHS)))
     if owns:
         assert next(raw, None) is None, "the scheduler pulls exactly num_microbatches items"
-        assert sorted(i for mb in packed for i in sample_ids(mb)) == list(range(len(LENGTHS)))
+        first_stage = packed if vpp_size is None else packed[0]
+        assert sorted(i for mb in first_stage for i in sample_ids(mb)) == list(range(len(LENGTHS)))
 
 
 def test_wrap_hands_the_scheduler_name_through_as_str(fake_mcore: FakeMCore) -> None:

@@ -34,7 +34,7 @@ class NativeSchedulerAdapter(PackingAdapter):
 
     def wrap(self, data_iterator: Any, model_config: Any, num_microbatches: int, pg_collection: Any) -> WrapResult:
         self.require_runnable(model_config)
-        iterator = data_iterator if self.rank_loads_data(pg_collection) else None
+        iterator = data_iterator if self.rank_loads_data(pg_collection) else no_data(model_config)
         packed, count, seqlen_sum, seqlen_squared_sum = self._wrap(
             iterator, model_config, num_microbatches, pg_collection=pg_collection
         )
@@ -56,3 +56,12 @@ class NativeSchedulerAdapter(PackingAdapter):
         iterator = data_iterator if pg_collection.tp.rank() == 0 else None
         batch = tuple(self._fetch(iterator, **kwargs))
         return batch + (None,) * (FETCH_ARITY - len(batch))  # type: ignore[return-value]
+
+
+def no_data(model_config: Any) -> list[None] | None:
+    """The iterator argument of a rank that loads no data: one None per virtual stage with VPP, else None.
+
+    With VPP every generation's scheduler takes ``len()`` of the iterator list on every rank.
+    """
+    vpp_size = getattr(model_config, "virtual_pipeline_model_parallel_size", None)
+    return [None] * vpp_size if isinstance(vpp_size, int) and vpp_size > 1 else None

@@ -229,16 +229,24 @@ class FakeMCore:
     # -- shared behaviour -------------------------------------------------------------------------
 
     def run_schedule(
-        self, data_iterator: Any, num_microbatches: int, tp_group: FakeGroup, pp_group: FakeGroup
+        self, data_iterator: Any, num_microbatches: int, tp_group: FakeGroup, pp_group: FakeGroup, config: Any
     ) -> tuple[Any, int, float, float]:
-        """A scheduler's ``run``: check who holds the raw iterator, pull, pack in pairs, report the sums."""
+        """A scheduler's ``run``: check who holds the raw iterator, pull, pack in pairs, report the sums.
+
+        With VPP the iterator is a list with one entry per virtual stage on every rank (MCore takes its
+        ``len()``), and so is the packed iterator returned.
+        """
+        vpp = config.virtual_pipeline_model_parallel_size
+        if vpp is not None and vpp > 1:
+            assert len(data_iterator) == vpp
+            data_iterator = next((it for it in data_iterator if it is not None), None)
         if data_iterator is not None:
             assert tp_group.rank() == 0, "Only TP rank 0 should have data_iterator"
         edge_stage = pp_group.rank() in (0, pp_group.size() - 1)
         owns_data = tp_group.rank() == 0 and (self.data_stages == "every" or edge_stage)
         if not owns_data:
             assert data_iterator is None, f"{self.generation}: PP stage {pp_group.rank()} must not load data"
-            return None, *self.tp_broadcast
+            return (None if vpp is None or vpp == 1 else [None] * vpp), *self.tp_broadcast
         assert data_iterator is not None, f"{self.generation}: TP rank 0 of PP stage {pp_group.rank()} loads data"
         samples: list[dict[str, torch.Tensor]] = []
         for _ in range(num_microbatches):
@@ -249,7 +257,8 @@ class FakeMCore:
         self.packed = [samples[i : i + 2] for i in range(0, len(samples), 2)]
         lengths = [int(s["padded_seq_len"]) for s in samples]
         self.tp_broadcast = (len(self.packed), float(sum(lengths)), float(sum(n * n for n in lengths)))
-        return iter([microbatch(group) for group in self.packed]), *self.tp_broadcast
+        packed = [microbatch(group) for group in self.packed]
+        return (iter(packed) if vpp is None or vpp == 1 else [iter(packed) for _ in range(vpp)]), *self.tp_broadcast
 
     def fetch(
         self, data_iterator: Any, pg_collection: Any, *, dynamic_cp: bool = False, sets_cp_size: bool = False
@@ -311,7 +320,7 @@ def dev_schedulers(fake: FakeMCore, *, max_num_seqs: bool, dynamic: bool) -> dic
             self.max_seqlen_per_dp_cp_rank = max_seqlen_per_dp_cp_rank
 
         def run(self, data_iterator, num_microbatches, dp_group, tp_group, pp_group, dp_cp_group, dev, config):
-            return fake.run_schedule(data_iterator, num_microbatches, tp_group, pp_group)
+            return fake.run_schedule(data_iterator, num_microbatches, tp_group, pp_group, config)
 
     class DpBalancedScheduler(BasePackingScheduler):
         pass
@@ -375,7 +384,7 @@ def main_schedulers(fake: FakeMCore) -> tuple[type[enum.Enum], dict[enum.Enum, t
             self.max_seqlen_per_dp_cp_rank = max_seqlen_per_dp_cp_rank
 
         def run(self, data_iterator, num_microbatches, dp_group, tp_group, pp_group, dp_cp_group, dev, config):
-            return fake.run_schedule(data_iterator, num_microbatches, tp_group, pp_group)
+            return fake.run_schedule(data_iterator, num_microbatches, tp_group, pp_group, config)
 
     class DpBalancedScheduler(BasePackingScheduler):
         pass
