@@ -1,13 +1,20 @@
-"""``mcore-compat demo`` refuses with the probe's sentence where packing cannot run."""
+"""``mcore-compat demo``: a real packing step on a runnable pin, the probe's sentence elsewhere."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 import mcore_compat
 from mcore_compat import cli, demo
+from mcore_compat.testing import locate_mcore
+from mcore_compat.testing.launcher import DEFAULT_BYTECODE_CACHE
+
+SYS_PATH, NO_MCORE = locate_mcore()
 
 
 @pytest.fixture
@@ -31,3 +38,22 @@ def test_demo_explains_why_and_fails_without_a_runnable_pin(
     out = capsys.readouterr().out
     assert "Megatron-Core generation: none" in out
     assert out.rstrip().endswith(f"demo: cannot run a packing step on this pin: {reason}")
+
+
+@pytest.mark.skipif(NO_MCORE is not None, reason=NO_MCORE or "")
+def test_demo_command_runs_a_packing_step():
+    root = Path(__file__).resolve().parents[1]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(root), *SYS_PATH, os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPYCACHEPREFIX": DEFAULT_BYTECODE_CACHE,  # the ranks' bytecode cache serves the doctor too
+        "PYTHONDONTWRITEBYTECODE": "",
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "mcore_compat", "demo"], capture_output=True, text=True, env=env, timeout=300
+    )
+    if done.returncode != 0 and "cannot run a packing step on this pin" in done.stdout:
+        pytest.skip(done.stdout.strip().splitlines()[-1])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "global-batch packing: available" in done.stdout
+    assert "all end-to-end checks passed" in done.stdout

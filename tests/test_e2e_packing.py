@@ -8,19 +8,14 @@ one process group (one spawn per session); the negative controls prove the check
 from __future__ import annotations
 
 import copy
-import os
 import re
-import subprocess
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
 
 from mcore_compat.demo import DEMO_CASE, format_run
 from mcore_compat.testing import Case, CaseRun, Layout, RankStep, check_steps, locate_mcore, run_cases, standard_cases
-from mcore_compat.testing.launcher import DEFAULT_BYTECODE_CACHE
 
 SYS_PATH, NO_MCORE = locate_mcore()
 pytestmark = pytest.mark.skipif(NO_MCORE is not None, reason=NO_MCORE or "")
@@ -135,11 +130,22 @@ MUTATIONS: list[tuple[str, Case, Mutation, str]] = [
 
 @pytest.mark.parametrize(("case", "mutate", "message"), [m[1:] for m in MUTATIONS], ids=[m[0] for m in MUTATIONS])
 def test_each_check_is_live(runs: dict[Case, CaseRun], case: Case, mutate: Mutation, message: str):
-    steps = copy.deepcopy(_ran(runs, case).steps)
-    assert not check_steps(case, steps)
+    run = _ran(runs, case)
+    steps = copy.deepcopy(run.steps)
+    assert not check_steps(case, steps, routes=run.routes)
     mutate(steps)
-    errors = check_steps(case, steps)
+    errors = check_steps(case, steps, routes=run.routes)
     assert any(message in e for e in errors), errors[:5]
+
+
+def test_routes_are_required_where_the_pin_builds_them(runs: dict[Case, CaseRun]):
+    run = _ran(runs, BASE)
+    if not run.routes:
+        pytest.skip(f"{run.generation} prebuilds no THD CP partition routes (dev G7+ does)")
+    steps = copy.deepcopy(run.steps)
+    assert all(mb.route_set for ranks in steps for r in ranks for mb in r.microbatches)
+    _edit("route_set", lambda v: None)(steps)
+    assert any("cp_partition_route not set" in e for e in check_steps(BASE, steps, routes=True))
 
 
 def test_demo_report_matches_the_records(runs: dict[Case, CaseRun]):
@@ -153,21 +159,3 @@ def test_demo_report_matches_the_records(runs: dict[Case, CaseRun]):
     assert sum(row[5] for row in rows) == real_tokens
     assert f"microbatches per step: {run.steps[0][0].num_microbatches}" in report
     assert report.rstrip().endswith("all end-to-end checks passed")
-
-
-def test_demo_command_runs_a_packing_step():
-    root = Path(__file__).resolve().parents[1]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(root), *SYS_PATH, os.environ.get("PYTHONPATH", "")]),
-        "PYTHONPYCACHEPREFIX": DEFAULT_BYTECODE_CACHE,  # the ranks' bytecode cache serves the doctor too
-        "PYTHONDONTWRITEBYTECODE": "",
-    }
-    done = subprocess.run(
-        [sys.executable, "-m", "mcore_compat", "demo"], capture_output=True, text=True, env=env, timeout=300
-    )
-    if done.returncode != 0 and "cannot run a packing step on this pin" in done.stdout:
-        pytest.skip(done.stdout.strip().splitlines()[-1])
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "global-batch packing: available" in done.stdout
-    assert "all end-to-end checks passed" in done.stdout

@@ -84,8 +84,10 @@ def _check_cu_seqlens(mb: MicrobatchRecord) -> list[str]:
     return errors
 
 
-def check_microbatch(case: Case, record: RankStep, mb: MicrobatchRecord, static_cp_group: tuple[int, ...]) -> list[str]:
-    """Checks one rank can make alone: metadata, shapes, dtypes, CP group, route."""
+def check_microbatch(
+    case: Case, record: RankStep, mb: MicrobatchRecord, static_cp_group: tuple[int, ...], *, routes: bool = False
+) -> list[str]:
+    """Checks one rank can make alone: metadata, shapes, dtypes, CP group, route (``routes``: the pin has them)."""
     errors = []
     if not mb.attention_mask_is_none:
         errors.append("attention_mask is not None (THD batches carry none)")
@@ -105,7 +107,7 @@ def check_microbatch(case: Case, record: RankStep, mb: MicrobatchRecord, static_
             errors.append(f"CP group {mb.cp_group_ranks} is not the static CP group {static_cp_group}")
         if mb.local_cp_size not in (None, cp_size):
             errors.append(f"local_cp_size={mb.local_cp_size} with static CP of size {cp_size}")
-    if mb.route_set is False and cp_size > 1:
+    if (mb.route_set is False or (routes and mb.route_set is None)) and cp_size > 1:
         errors.append("cp_partition_route not set after finalize although the CP group is larger than 1")
     if mb.cu_seqlens_q_padded is None or mb.cu_seqlens_q_padded.numel() == 0:
         return errors
@@ -319,8 +321,12 @@ def _static_cp_groups(step_ranks: Sequence[RankStep]) -> dict[int, tuple[int, ..
     return {r.rank: tuple(sorted(members[(r.tp_rank, r.dp_rank)])) for r in step_ranks}
 
 
-def check_step(case: Case, step: int, step_ranks: Sequence[RankStep]) -> list[str]:
-    """Every end-to-end check of one step over all ranks' records; an empty list means it passed."""
+def check_step(case: Case, step: int, step_ranks: Sequence[RankStep], *, routes: bool = False) -> list[str]:
+    """Every end-to-end check of one step over all ranks' records; an empty list means it passed.
+
+    ``routes``: the pin prebuilds THD CP partition routes, so every microbatch whose CP group is larger
+    than 1 must carry one after finalize.
+    """
     where = f"{case.name} step {step}"
     expected_ranks = list(range(case.layout.world_size))
     if sorted(r.rank for r in step_ranks) != expected_ranks:
@@ -330,7 +336,7 @@ def check_step(case: Case, step: int, step_ranks: Sequence[RankStep]) -> list[st
     errors = _check_counts(case, step_ranks, samples, where)
     for record in step_ranks:
         for k, mb in enumerate(record.microbatches):
-            problems = check_microbatch(case, record, mb, static_groups[record.rank])
+            problems = check_microbatch(case, record, mb, static_groups[record.rank], routes=routes)
             errors += [f"{where} rank {record.rank} microbatch {k}: {p}" for p in problems]
     errors += _check_tp_replicas(step_ranks, where)
     errors += _check_split(step_ranks, samples, where)
@@ -338,9 +344,9 @@ def check_step(case: Case, step: int, step_ranks: Sequence[RankStep]) -> list[st
     return errors
 
 
-def check_steps(case: Case, steps: Sequence[Sequence[RankStep]]) -> list[str]:
+def check_steps(case: Case, steps: Sequence[Sequence[RankStep]], *, routes: bool = False) -> list[str]:
     """:func:`check_step` over every step of a case, plus the step count itself."""
     errors = [] if len(steps) == case.steps else [f"{case.name}: {len(steps)} steps recorded, {case.steps} run"]
     for step, step_ranks in enumerate(steps):
-        errors += check_step(case, step, step_ranks)
+        errors += check_step(case, step, step_ranks, routes=routes)
     return errors

@@ -126,6 +126,10 @@ class CaseResult:
     skipped: str | None
     patches: tuple[str, ...] = ()
     steps: list[RankStep] = field(default_factory=list)
+    generation: str | None = None
+    backend: str | None = None
+    routes: bool = False
+    """Whether the pin prebuilds THD CP partition routes in finalize (dev G7+)."""
 
 
 WORLD_4_LAYOUTS = (Layout(1, 2, 2), Layout(2, 1, 2), Layout(2, 2, 1), Layout(1, 1, 4), Layout(1, 4, 1))

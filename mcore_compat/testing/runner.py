@@ -56,10 +56,13 @@ class CaseRun:
     skipped: str | None
     patches: tuple[str, ...] = ()
     steps: list[list[RankStep]] = field(default_factory=list)
+    generation: str | None = None
+    backend: str | None = None
+    routes: bool = False
 
     def errors(self) -> list[str]:
         """Every check error of every step (empty when skipped)."""
-        return [] if self.skipped else check_steps(self.case, self.steps)
+        return [] if self.skipped else check_steps(self.case, self.steps, routes=self.routes)
 
 
 def model_config(case: Case) -> SimpleNamespace:
@@ -118,6 +121,13 @@ def mpu_pg_collection() -> Any:
         dp=parallel_state.get_data_parallel_group(),
         dp_cp=parallel_state.get_data_parallel_group(with_context_parallel=True),
     )
+
+
+def _pin() -> dict[str, Any]:
+    from mcore_compat import adapter, detect
+
+    caps = detect()
+    return {"generation": caps.generation, "backend": adapter().backend, "routes": caps.has_route_prebuilder}
 
 
 def _clone(tensor: Any) -> torch.Tensor | None:
@@ -201,7 +211,7 @@ def run_case_on_rank(rank: int, case: Case) -> CaseResult:
 
         reason = packing.probe_global_batch_packing_support(case.scheduler, dynamic_cp=case.dynamic_cp)
         if reason is not None:
-            return CaseResult(case, rank, skipped=reason, patches=applied)
+            return CaseResult(case, rank, skipped=reason, patches=applied, **_pin())
         _init_parallel_state(case)
         try:
             pg_collection = mpu_pg_collection()
@@ -209,7 +219,7 @@ def run_case_on_rank(rank: int, case: Case) -> CaseResult:
             steps = [_run_step(case, step, pg_collection, config) for step in range(case.steps)]
         finally:
             importlib.import_module("megatron.core.parallel_state").destroy_model_parallel()
-    return CaseResult(case, rank, skipped=None, patches=applied, steps=steps)
+    return CaseResult(case, rank, skipped=None, patches=applied, steps=steps, **_pin())
 
 
 def _worker(rank: int, world_size: int, cases: Sequence[Case]) -> list[CaseResult]:
@@ -241,5 +251,6 @@ def run_cases(
             raise RuntimeError(f"{case.name}: ranks disagree on whether the pin can run it: {reasons}")
         skipped = reasons.pop()
         steps = [] if skipped else [[r.steps[s] for r in results] for s in range(case.steps)]
-        runs.append(CaseRun(case, skipped, results[0].patches, steps))
+        first = results[0]
+        runs.append(CaseRun(case, skipped, first.patches, steps, first.generation, first.backend, first.routes))
     return runs
