@@ -1,29 +1,30 @@
 """Detection and the doctor on the megatron-core release installed in this environment.
 
-Runs only where ``pip`` installed one of the examined releases (e.g. a venv with megatron-core==0.16.1 and
-this project installed editable); the doctor runs in a fresh interpreter so no source tree shadows it.
+Runs where the installed megatron-core is a release pin of ``mcore_compat/pins.toml`` (e.g. a venv with
+megatron-core==0.16.1); the doctor runs in a fresh interpreter, so no source tree on the caller's path shadows it.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import re
+from pathlib import Path
 
 import pytest
 
-from mcore_compat.adapters import ADAPTERS, UnsupportedAdapter
+from mcore_compat import pins
 from tests.conftest import doctor_report, run_doctor
 
-# release -> (generation, number of PackedSeqParams fields); mcore-api-generations.md sections 2.1 and 6.1.
-# To be read from pins.toml once that file lands.
-RELEASES = {
-    "0.13.1": ("G0", 7),
-    "0.14.0": ("G0", 7),
-    "0.15.3": ("G0", 7),
-    "0.16.1": ("G1", 9),
-    "0.17.1": ("G1", 11),
-    "0.18.2": ("G1", 11),
-    "0.19.2": ("G1", 13),
+# release -> number of PackedSeqParams fields (mcore-api-generations.md section 6.1); the generation, adapter
+# and runnable schedulers of each release are the pin's, in mcore_compat/pins.toml.
+PACKED_SEQ_PARAMS_FIELDS = {
+    "0.13.1": 7,
+    "0.14.0": 7,
+    "0.15.3": 7,
+    "0.16.1": 9,
+    "0.17.1": 11,
+    "0.18.2": 11,
+    "0.19.2": 13,
 }
 SWITCH_HINT = re.compile(r"`scripts/switch_mcore\.sh (dev|main)`")
 
@@ -36,30 +37,38 @@ def installed_release() -> str | None:
 
 
 RELEASE = installed_release()
-pytestmark = pytest.mark.skipif(
-    RELEASE not in RELEASES,
-    reason=f"installed megatron-core is {RELEASE or 'absent'}, not one of the examined releases {sorted(RELEASES)}",
+PIN = pins.load().match(RELEASE, None)
+needs_release = pytest.mark.skipif(
+    PIN is None, reason=f"installed megatron-core is {RELEASE or 'absent'}, no release pin of {pins.PINS_FILE}"
 )
+
+
+def test_every_release_pin_has_a_field_count() -> None:
+    releases = {pin.version for pin in pins.load().pins.values() if pin.version}
+    assert releases == set(PACKED_SEQ_PARAMS_FIELDS)
 
 
 @pytest.fixture(scope="module")
 def report() -> dict:
     _, data = doctor_report()
-    assert data["capabilities"]["mcore_version"] == RELEASE, "a source tree shadows the installed release"
+    located = Path(str(importlib.metadata.distribution("megatron-core").locate_file("megatron/core"))).resolve()
+    assert data["capabilities"]["mcore_path"] == str(located), "a source tree shadows the installed release"
     return data
 
 
+@needs_release
 def test_release_detects_its_generation(report: dict) -> None:
-    generation, field_count = RELEASES[RELEASE]
-    assert report["generation"] == generation
-    assert len(report["capabilities"]["packed_seq_params_fields"]) == field_count
-    declaring = next((cls.__name__ for cls in ADAPTERS if generation in cls.generations), UnsupportedAdapter.__name__)
-    assert report["adapter"] == declaring
+    assert PIN is not None and RELEASE is not None
+    assert report["generation"] == PIN.generation
+    assert report["adapter"] == PIN.adapter
+    assert len(report["capabilities"]["packed_seq_params_fields"]) == PACKED_SEQ_PARAMS_FIELDS[RELEASE]
     assert report["capabilities"]["wrap_params"] is None, "no release ships wrap_data_iterator"
 
 
+@needs_release
 def test_release_probe_refusals_name_the_generation(report: dict) -> None:
-    generation, _ = RELEASES[RELEASE]
+    assert PIN is not None
+    generation = PIN.generation
     rows = {(row["scheduler"], row["dynamic_cp"]): row["reason"] for row in report["schedulers"]}
     for (scheduler, dynamic_cp), reason in rows.items():
         if reason is None:
@@ -70,8 +79,10 @@ def test_release_probe_refusals_name_the_generation(report: dict) -> None:
     assert rows[("dp_balanced", True)] is not None and rows[("default_dynamic_cp", True)] is not None
 
 
+@needs_release
 def test_doctor_text_prints_generation_and_reasons(report: dict) -> None:
-    generation, _ = RELEASES[RELEASE]
+    assert PIN is not None
+    generation = PIN.generation
     proc = run_doctor(as_json=False)
     assert proc.returncode == (0 if report["runnable"] else 1)
     assert f"Megatron-Core generation: {generation}" in proc.stdout
