@@ -23,13 +23,14 @@ pytestmark = pytest.mark.skipif(NO_MCORE is not None, reason=NO_MCORE or "")
 POSITIVE = standard_cases()
 WRONG_SPLIT = Case(Layout(1, 2, 2), fault="wrong_split")
 DROP_LAST = Case(Layout(1, 2, 2), fault="drop_last")
+DYNAMIC_WRONG_SPLIT = Case(Layout(1, 2, 2), "default_dynamic_cp", dynamic_cp=True, fault="wrong_split")
 BASE = Case(Layout(1, 2, 2))
 TP2 = Case(Layout(2, 1, 2))
 
 
 @pytest.fixture(scope="module")
 def runs() -> dict[Case, CaseRun]:
-    cases = dict.fromkeys([*POSITIVE, WRONG_SPLIT, DROP_LAST, DEMO_CASE])
+    cases = dict.fromkeys([*POSITIVE, WRONG_SPLIT, DYNAMIC_WRONG_SPLIT, DROP_LAST, DEMO_CASE])
     return {run.case: run for run in run_cases(list(cases), sys_path=SYS_PATH)}
 
 
@@ -52,8 +53,9 @@ def test_packed_steps_pass_every_check(runs: dict[Case, CaseRun], case: Case):
         assert max(sizes) > 1, f"no dynamic CP group larger than 1 was formed: {sizes}"
 
 
-def test_wrong_split_is_caught(runs: dict[Case, CaseRun]):
-    errors = _ran(runs, WRONG_SPLIT).errors()
+@pytest.mark.parametrize("case", [WRONG_SPLIT, DYNAMIC_WRONG_SPLIT], ids=lambda case: case.name)
+def test_wrong_split_is_caught(runs: dict[Case, CaseRun], case: Case):
+    errors = _ran(runs, case).errors()
     assert errors and all("zigzag" in e for e in errors), errors[:5]
 
 

@@ -5,6 +5,17 @@
 - :class:`SampleSpec`: synthetic samples of the data contract whose tokens decode to (sample id, offset).
 - :func:`run_cases`: drive the ``packing`` facade for several layouts in one process group and record
   every rank's microbatches; :func:`check_step` turns those records into a list of errors.
+
+Dry-run the packing path of the installed Megatron-Core on four CPU ranks (in a script, under
+``if __name__ == "__main__":``, since ranks are spawned)::
+
+    from mcore_compat.testing import Case, Layout, run_cases
+
+    (run,) = run_cases([Case(Layout(tp=1, cp=2, dp=2), scheduler="dp_balanced")])
+    assert run.skipped is None and not run.errors()
+
+A trainer's own step runs the same way: ``launch(my_step, 4)`` with ``my_step(rank, world_size)``
+entering ``cpu_patches(context_parallel=..., dynamic_cp=...)`` around its Megatron-Core calls.
 """
 
 from mcore_compat.testing.checks import check_step, check_steps, expected_row, zigzag_offsets
