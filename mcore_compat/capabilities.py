@@ -104,9 +104,12 @@ def _describe_error(exc: BaseException) -> str:
     return text
 
 
-def _version(core: ModuleType) -> str:
+def _version(core: ModuleType, commit: str | None) -> str:
     info = _import("megatron.core.package_info")
-    return str(getattr(info, "__version__", None) or getattr(core, "__version__", "unknown"))
+    version = str(getattr(info, "__version__", None) or getattr(core, "__version__", "unknown"))
+    # From 0.19 the version appends `git rev-parse HEAD` run next to the module, which for an installed wheel is
+    # whatever repository the environment sits in (a venv inside a project): only a checkout's commit is its own.
+    return version if commit else version.split("+", 1)[0]
 
 
 def _commit(core_dir: Path) -> str | None:
@@ -213,8 +216,9 @@ def detect() -> Capabilities:
         return _unavailable(_describe_error(exc))
     except Exception as exc:  # noqa: BLE001 - any import failure is reported, not raised
         return _unavailable(_describe_error(exc))
-    version = _version(core)
     core_dir = Path(core.__file__).resolve().parent
+    commit = _commit(core_dir)
+    version = _version(core, commit)
     try:
         ds: ModuleType | None = importlib.import_module(SCHEDULER_MODULE)
         import_error = None
@@ -253,7 +257,7 @@ def detect() -> Capabilities:
 
     return Capabilities(
         mcore_version=version,
-        mcore_commit=_commit(core_dir),
+        mcore_commit=commit,
         mcore_path=str(core_dir),
         generation=generation,
         import_error=import_error,

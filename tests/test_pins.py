@@ -16,6 +16,7 @@ from mcore_compat.capabilities import Capabilities, _unavailable
 
 ROOT = Path(__file__).resolve().parent.parent
 SWITCH = ROOT / "scripts" / "switch_mcore.sh"
+README = ROOT / "README.md"
 TABLE = pins.load()
 RELEASES = [p for p in TABLE.pins.values() if p.package]
 SOURCES = [p for p in TABLE.pins.values() if p.git]
@@ -368,3 +369,33 @@ def test_switch_script_lists_the_pins(tmp_path: Path) -> None:
     result = _switch("list", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert [line.split()[0] for line in result.stdout.splitlines()[1:]] == list(TABLE.pins)
+
+
+# -- the README and CI read the same facts -------------------------------------------------------
+
+
+def _readme_section(title: str) -> str:
+    text = README.read_text(encoding="utf-8")
+    start = text.index(f"\n## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end != -1 else None]
+
+
+def test_readme_support_table_lists_exactly_the_pins() -> None:
+    lines = [line for line in _readme_section("Support").splitlines() if line.startswith("| `")]
+    rows = [[cell.strip().strip("`") for cell in line.strip("|").split("|")] for line in lines]
+    assert [row[0] for row in rows] == list(TABLE.pins)
+    for name, installs, python, generation, adapter, works in rows:
+        pin = TABLE.get(name)
+        assert (python, generation, adapter) == (pin.python, pin.generation, pin.adapter), name
+        assert str(pin.version or str(pin.commit)[:10]) in installs, name
+        for run in ("dp_balanced:static", "default_dynamic_cp:dynamic"):
+            assert (run.split(":")[0] in works) == (run in pin.runs), f"{name}: {works!r} vs runs {pin.runs}"
+
+
+def test_ci_runs_exactly_the_readme_test_command() -> None:
+    block = _readme_section("Quick start").split("```bash\n", 1)[1].split("```", 1)[0]
+    demo, test = block.strip().splitlines()
+    assert "-s demo" in demo
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+    assert [line for line in ci if line and not line.startswith(("#", "set ", "cd "))] == [test]
