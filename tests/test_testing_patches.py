@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import sys
 
 import pytest
@@ -64,4 +65,6 @@ def test_triton_stand_in_only_when_the_import_fails(monkeypatch: pytest.MonkeyPa
         assert triton.jit(kernel) is kernel
         assert triton.autotune(configs=[], key=[])(kernel) is kernel
         assert isinstance(triton.Config, type) and isinstance(tl.constexpr, type)
+        assert not hasattr(triton, "__file__")  # inspect.getmodule() walks sys.modules (torch.library does)
+        assert inspect.getmodule(kernel) is sys.modules[__name__]
     assert sys.modules["triton"] is None

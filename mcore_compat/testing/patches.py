@@ -72,8 +72,15 @@ def _jit(fn: Any = None, **kwargs: Any) -> Any:
 def _stub_module(name: str) -> ModuleType:
     module = ModuleType(name)
     module.__dict__["jit"] = _jit
-    module.__dict__["__getattr__"] = lambda attr: type(attr, (_TritonStub,), {})
+    module.__dict__["__getattr__"] = _stub_attribute
     return module
+
+
+def _stub_attribute(attr: str) -> type:
+    # Dunder names stay missing: inspect.getmodule() reads __file__ of every module in sys.modules.
+    if attr.startswith("__") and attr.endswith("__"):
+        raise AttributeError(attr)
+    return type(attr, (_TritonStub,), {})
 
 
 def _triton_missing() -> bool:
