@@ -126,7 +126,7 @@ def _shared_environment(session: nox.Session, series: str) -> Path:
     return python
 
 
-def _install_pin(session: nox.Session, pin: pins.Pin) -> tuple[Path, Path | None]:
+def _install_pin(session: nox.Session, pin: pins.Pin, project: str = f"{ROOT}[test]") -> tuple[Path, Path | None]:
     """Install ``pin`` and then this project (not editable: the installed package is what users get)."""
     try:
         source = pins.resolve_source(pin, os.environ)
@@ -142,7 +142,7 @@ def _install_pin(session: nox.Session, pin: pins.Pin) -> tuple[Path, Path | None
         _pip(session, python, *series.base)
     for args in pins.install_plan(pin, source):
         _pip(session, python, *args)
-    _pip(session, python, f"{ROOT}[test]")
+    _pip(session, python, project)
     return python, source
 
 
@@ -202,7 +202,7 @@ def demo(session: nox.Session) -> None:
     pin = TABLE.get(os.environ.get("MCORE_PIN", DEMO_PIN))
     if pin.python != "3.11":
         session.error(f"MCORE_PIN={pin.name!r} needs Python {pin.python}; the demo runs on 3.11: pick a 3.11 pin")
-    _install_pin(session, pin)
+    _install_pin(session, pin, project=str(ROOT))
     session.run("mcore-compat", "doctor", success_codes=[0, 1])
     # Demo step: `mcore-compat demo` (a real packing step on CPU) is run here once the CPU harness adds it.
 
