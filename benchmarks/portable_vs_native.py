@@ -1,0 +1,224 @@
+"""Collectives and wall time per packing step: the portable backend against Megatron-Core's native ``dp_balanced``.
+
+Runs 4 gloo ranks on CPU against the Megatron-LM checkout in ``$MCORE_SRC`` (dev or main pin, which
+have the native scheduler). For each layout, every step feeds the same samples to both backends on
+the same process groups, one after the other: ``wrap`` then one fetch per returned microbatch (a
+"packing step"). It prints, from this one run: the collectives each backend issued on rank 0 per
+step (counted by wrapping the ``torch.distributed`` functions inside the ranks), the step wall time
+(slowest rank, mean over the steps after the first) and the ratio portable/native, and whether
+both backends returned identical microbatches on every rank.
+
+    MCORE_SRC=/work/mlm/main python benchmarks/portable_vs_native.py [--layouts 1x2x2,2x1x2] [--samples 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import functools
+import importlib
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from mcore_compat.adapters import select_adapter  # noqa: E402
+from mcore_compat.adapters.portable import PortableAdapter  # noqa: E402
+from mcore_compat.capabilities import detect  # noqa: E402
+from mcore_compat.testing import Case, Layout, SampleSpec, cpu_patches, launch, locate_mcore, model_config  # noqa: E402
+from mcore_compat.testing.runner import mpu_pg_collection  # noqa: E402
+
+COLLECTIVES = (
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_reduce",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "reduce_scatter_tensor",
+    "scatter",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+)
+
+
+class CollectiveCounter:
+    """Counts outermost calls of the ``torch.distributed`` collectives while installed."""
+
+    def __init__(self) -> None:
+        self.counts: collections.Counter[str] = collections.Counter()
+        self._depth = 0
+        self._saved: dict[str, Callable[..., Any]] = {}
+
+    def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if self._depth == 0:
+                self.counts[name] += 1
+            self._depth += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._depth -= 1
+
+        return counted
+
+    def install(self) -> None:
+        for name in COLLECTIVES:
+            if hasattr(dist, name):
+                self._saved[name] = getattr(dist, name)
+                setattr(dist, name, self._wrap(name, self._saved[name]))
+
+    def uninstall(self) -> None:
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)
+
+
+def _packing_step(adapter: Any, spec: SampleSpec, case: Case, step: int, pg: Any, config: Any) -> tuple[int, list]:
+    """``wrap`` then one fetch per microbatch; returns the count and the fetched tuples."""
+    source = spec.source(step, pg.dp.rank()) if pg.tp.rank() == 0 else None
+    packed, count, _, _ = adapter.wrap(source, config, case.num_microbatches, pg)
+    fetched = [adapter.get_batch(packed, config, pg_collection=pg, vp_stage=None) for _ in range(count)]
+    return count, fetched
+
+
+def _same(a: Sequence[tuple], b: Sequence[tuple]) -> bool:
+    def tensors(batch: tuple) -> list[Any]:
+        params = batch[5]
+        return [*batch[:5], batch[6], params.cu_seqlens_q_padded, params.cu_seqlens_kv_padded, params.max_seqlen_q]
+
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b, strict=True):
+        for u, v in zip(tensors(x), tensors(y), strict=True):
+            if isinstance(u, torch.Tensor) or isinstance(v, torch.Tensor):
+                if not (isinstance(u, torch.Tensor) and isinstance(v, torch.Tensor) and torch.equal(u, v)):
+                    return False
+            elif u != v:
+                return False
+    return True
+
+
+def bench_on_rank(rank: int, world_size: int, cases: Sequence[Case], long_fraction: float) -> list[dict[str, Any]]:
+    """Per case and step: each backend's collective counts on this rank and its step time, and whether they agree."""
+    results = []
+    for case in cases:
+        with cpu_patches(context_parallel=case.layout.cp > 1):
+            native = select_adapter(detect())
+            if native.backend != "native":
+                raise SystemExit(f"{detect().describe()} has no native scheduler: set MCORE_SRC to the dev or main pin")
+            importlib.import_module("megatron.core.parallel_state").initialize_model_parallel(
+                tensor_model_parallel_size=case.layout.tp,
+                pipeline_model_parallel_size=1,
+                context_parallel_size=case.layout.cp,
+            )
+            try:
+                pg, config = mpu_pg_collection(), model_config(case)
+                spec = dataclasses.replace(case.sample_spec, long_fraction=long_fraction)
+                backends = {"native": native, "portable": PortableAdapter(detect())}
+                for step in range(case.steps):
+                    record: dict[str, Any] = {"layout": str(case.layout), "step": step, "rank": rank}
+                    outputs = {}
+                    for name, adapter in backends.items():
+                        dist.barrier()
+                        counter = CollectiveCounter()
+                        counter.install()
+                        start = time.perf_counter()
+                        try:
+                            count, outputs[name] = _packing_step(adapter, spec, case, step, pg, config)
+                        finally:
+                            elapsed = time.perf_counter() - start
+                            counter.uninstall()
+                        record[name] = {"counts": dict(counter.counts), "seconds": elapsed, "microbatches": count}
+                    record["identical"] = _same(outputs["native"], outputs["portable"])
+                    results.append(record)
+            finally:
+                importlib.import_module("megatron.core.parallel_state").destroy_model_parallel()
+    return results
+
+
+def _layout(text: str) -> Layout:
+    tp, cp, dp = (int(v) for v in text.lower().split("x"))
+    return Layout(tp, cp, dp)
+
+
+def _counts_line(counts: dict[str, int]) -> str:
+    return ", ".join(f"{n} {name}" for name, n in sorted(counts.items(), key=lambda kv: -kv[1])) or "none"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layouts", default="1x2x2,2x1x2", help="tp x cp x dp layouts of world size 4")
+    parser.add_argument("--samples", type=int, default=32, help="samples per global batch")
+    parser.add_argument("--steps", type=int, default=6, help="steps per layout (the first is not timed)")
+    parser.add_argument("--max-seqlen", type=int, default=256, help="max_seqlen_per_dp_cp_rank")
+    parser.add_argument(
+        "--long-fraction", type=float, default=0.8, help="share of samples drawn up to the bin capacity (else short)"
+    )
+    args = parser.parse_args()
+    if not os.environ.get("MCORE_SRC"):
+        parser.error("set MCORE_SRC to a Megatron-LM checkout with the native scheduler (dev or main pin)")
+    sys_path, missing = locate_mcore()
+    if missing:
+        parser.error(missing)
+
+    cases = []
+    for layout in map(_layout, args.layouts.split(",")):
+        if layout.world_size != 4 or args.samples % layout.dp:
+            parser.error(f"{layout}: use world size 4 and a sample count divisible by dp")
+        cases.append(
+            Case(
+                layout,
+                steps=args.steps,
+                num_microbatches=args.samples // layout.dp,
+                max_seqlen_per_dp_cp_rank=args.max_seqlen,
+            )
+        )
+    per_rank = launch(bench_on_rank, 4, args=(cases, args.long_fraction), sys_path=sys_path, timeout=1200)
+
+    print(f"{detect_label(sys_path)}; world size 4 on CPU (gloo), {args.samples} samples per step, ")
+    print(f"max_seqlen_per_dp_cp_rank={args.max_seqlen}, {args.steps} steps per layout (step 0 untimed)")
+    for case in cases:
+        label = str(case.layout)
+        records = [[r for r in rank_records if r["layout"] == label] for rank_records in per_rank]
+        rank0 = records[0]
+        identical = all(r["identical"] for rank_records in records for r in rank_records)
+        print(f"\nlayout tp x cp x dp = {label}: microbatches per step {[r['native']['microbatches'] for r in rank0]}")
+        times = {}
+        for name in ("native", "portable"):
+            totals = [sum(r[name]["counts"].values()) for r in rank0]
+            step_seconds = [max(records[k][s][name]["seconds"] for k in range(4)) for s in range(1, case.steps)]
+            times[name] = statistics.mean(step_seconds)
+            print(
+                f"  {name:<8} collectives on rank 0 per step: {statistics.mean(totals):6.1f} "
+                f"(step 1: {_counts_line(rank0[1][name]['counts'])}); step time {times[name] * 1e3:7.1f} ms"
+            )
+        native_total = statistics.mean(sum(r["native"]["counts"].values()) for r in rank0)
+        portable_total = statistics.mean(sum(r["portable"]["counts"].values()) for r in rank0)
+        print(f"  collectives native/portable: {native_total / max(portable_total, 1e-9):.1f}x fewer with portable")
+        print(f"  wall time portable/native:   {times['portable'] / times['native']:.2f}")
+        print(f"  identical microbatches on every rank and step: {'yes' if identical else 'NO'}")
+
+
+def detect_label(sys_path: Sequence[str]) -> str:
+    """Which Megatron-Core the native side ran."""
+    return f"native side: Megatron-Core from {sys_path[0] if sys_path else 'the installed package'}"
+
+
+if __name__ == "__main__":
+    main()
