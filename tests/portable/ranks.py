@@ -88,9 +88,9 @@ def _outcome(fn: Callable[[], Any]) -> tuple[str, str]:
     return "ok", ""
 
 
-def _init(layout: Layout) -> None:
+def _init(layout: Layout, pp: int = 1) -> None:
     importlib.import_module("megatron.core.parallel_state").initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=1, context_parallel_size=layout.cp
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=pp, context_parallel_size=layout.cp
     )
 
 
@@ -98,16 +98,16 @@ def _destroy() -> None:
     importlib.import_module("megatron.core.parallel_state").destroy_model_parallel()
 
 
-def faults_on_rank(rank: int, world_size: int, runs: Sequence[tuple[Case, Fault]]) -> list[dict[str, Any]]:
-    """Each ``(case, fault)``: what wrap (then, if it succeeded, one fetch too many) raised on this rank."""
+def faults_on_rank(rank: int, world_size: int, runs: Sequence[tuple[Case, Fault, int]]) -> list[dict[str, Any]]:
+    """Each ``(case, fault, pp)``: what wrap (then, if it succeeded, one fetch too many) raised on this rank."""
     results = []
-    for case, fault in runs:
+    for case, fault, pp in runs:
         with cpu_patches(context_parallel=case.layout.cp > 1):
-            _init(case.layout)
+            _init(case.layout, pp)
             try:
                 pg, config = mpu_pg_collection(), model_config(case)
                 adapter = PortableAdapter(detect())
-                source = _source(case, fault, pg)
+                source = _source(case, fault, pg) if adapter.rank_loads_data(pg) else None
                 wrapped: list[Any] = []
                 wrap = _outcome(
                     lambda: wrapped.extend(adapter.wrap(source, config, case.num_microbatches, pg))  # noqa: B023
@@ -140,33 +140,59 @@ def _psp(params: Any) -> dict[str, Any]:
     return record
 
 
-def _run_backend(adapter: Any, case: Case, step: int, pg: Any, config: Any) -> dict[str, Any]:
-    source = case.sample_spec.source(step, pg.dp.rank()) if pg.tp.rank() == 0 else None
-    packed, count, seqlen_sum, squared_sum = adapter.wrap(source, config, case.num_microbatches, pg)
+@dataclass(frozen=True)
+class Pipeline:
+    """A PP layout around a case's tp·cp·dp: ``pp`` stages, ``vpp`` virtual stages each (None: no VPP)."""
+
+    pp: int = 1
+    vpp: int | None = None
+
+
+def _sources(adapter: Any, case: Case, step: int, pg: Any, pipeline: Pipeline) -> Any:
+    """The raw iterator(s) this rank passes to wrap: TP rank 0 of the stages that own data on this pin."""
+    source = case.sample_spec.source(step, pg.dp.rank()) if adapter.rank_loads_data(pg) else None
+    if pipeline.vpp is None:
+        return source
+    first, last = pg.pp.rank() == 0, pg.pp.rank() == pg.pp.size() - 1
+    vpp = pipeline.vpp
+    return [source if (first and v == 0) or (last and v == vpp - 1) else None for v in range(vpp)]
+
+
+def _run_backend(adapter: Any, case: Case, step: int, pg: Any, config: Any, pipeline: Pipeline) -> dict[str, Any]:
+    sources = _sources(adapter, case, step, pg, pipeline)
+    packed, count, seqlen_sum, squared_sum = adapter.wrap(sources, config, case.num_microbatches, pg)
+    streams = packed if pipeline.vpp is not None else [packed]
     packed_dicts = None
-    if packed is not None:
-        packed_dicts = [{k: _cpu(v) for k, v in next(packed).items()} for _ in range(count)]
-        assert next(packed, None) is None, "the packed iterator holds more microbatches than the count"
-    replay = iter([{k: v.clone() for k, v in mb.items()} for mb in packed_dicts]) if packed_dicts is not None else None
+    if pg.tp.rank() == 0:
+        packed_dicts = [[{k: _cpu(v) for k, v in next(it).items()} for _ in range(count)] for it in streams]
+        assert all(next(it, None) is None for it in streams), "a packed iterator holds more than the count"
+    else:
+        assert all(it is None for it in streams), "a packed iterator off TP rank 0"
+    replays = [
+        iter([{k: v.clone() for k, v in mb.items()} for mb in dicts]) if dicts is not None else None
+        for dicts in (packed_dicts or [None] * len(streams))
+    ]
     fetched = []
     for _ in range(count):
-        tokens, labels, loss_mask, mask, position_ids, params, padding_mask = adapter.get_batch(
-            replay, config, pg_collection=pg, vp_stage=None
-        )
-        fetched.append(
-            {
-                "tokens": _cpu(tokens),
-                "labels": _cpu(labels),
-                "loss_mask": _cpu(loss_mask),
-                "attention_mask": mask,
-                "position_ids": _cpu(position_ids),
-                "padding_mask": _cpu(padding_mask),
-                "params": _psp(params),
-                "params_type": f"{type(params).__module__}.{type(params).__qualname__}",
-            }
-        )
+        for v, replay in enumerate(replays):
+            vp_stage = v if pipeline.vpp is not None else None
+            tokens, labels, loss_mask, mask, position_ids, params, padding_mask = adapter.get_batch(
+                replay, config, pg_collection=pg, vp_stage=vp_stage
+            )
+            fetched.append(
+                {
+                    "tokens": _cpu(tokens),
+                    "labels": _cpu(labels),
+                    "loss_mask": _cpu(loss_mask),
+                    "attention_mask": mask,
+                    "position_ids": _cpu(position_ids),
+                    "padding_mask": _cpu(padding_mask),
+                    "params": _psp(params),
+                    "params_type": f"{type(params).__module__}.{type(params).__qualname__}",
+                }
+            )
     return {
-        "iterator": type(packed).__name__,
+        "iterator": [type(it).__name__ for it in streams],
         "count": count,
         "sums": (seqlen_sum, squared_sum),
         "packed": packed_dicts,
@@ -174,17 +200,27 @@ def _run_backend(adapter: Any, case: Case, step: int, pg: Any, config: Any) -> d
     }
 
 
-def equivalence_on_rank(rank: int, world_size: int, cases: Sequence[Case]) -> list[dict[str, Any]]:
-    """Each case and step through the native scheduler, then through the portable backend, on the same samples."""
+def equivalence_on_rank(
+    rank: int, world_size: int, runs: Sequence[tuple[Case, Pipeline]], pipeline_generations: Sequence[str] = ()
+) -> list[dict[str, Any]]:
+    """Each case and step through the native scheduler, then through the portable backend, on the same samples.
+
+    Runs with PP > 1 are skipped unless the pin's generation is in ``pipeline_generations``.
+    """
     results = []
-    for index, case in enumerate(cases):
+    for index, (case, pipeline) in enumerate(runs):
         with cpu_patches(context_parallel=case.layout.cp > 1):
             native = select_adapter(detect())
             if native.backend != "native":
                 return [{"skip": f"{detect().describe()} has no native scheduler ({native.name})"}]
-            _init(case.layout)
+            if pipeline.pp > 1 and detect().generation not in pipeline_generations:
+                results.append({"case": index, "skip": f"PP runs compared on {pipeline_generations} only"})
+                continue
+            _init(case.layout, pipeline.pp)
             try:
                 pg, config = mpu_pg_collection(), model_config(case)
+                config.virtual_pipeline_model_parallel_size = pipeline.vpp
+                config.microbatch_group_size_per_vp_stage = pipeline.pp if pipeline.vpp is not None else None
                 portable = PortableAdapter(detect())
                 for step in range(case.steps):
                     results.append(
@@ -192,10 +228,10 @@ def equivalence_on_rank(rank: int, world_size: int, cases: Sequence[Case]) -> li
                             "case": index,
                             "step": step,
                             "rank": rank,
-                            "coords": (pg.tp.rank(), pg.cp.rank(), pg.dp.rank()),
+                            "coords": (pg.tp.rank(), pg.cp.rank(), pg.dp.rank(), pg.pp.rank()),
                             "generation": detect().generation,
-                            "native": _run_backend(native, case, step, pg, config),
-                            "portable": _run_backend(portable, case, step, pg, config),
+                            "native": _run_backend(native, case, step, pg, config, pipeline),
+                            "portable": _run_backend(portable, case, step, pg, config, pipeline),
                         }
                     )
                 dist.barrier()

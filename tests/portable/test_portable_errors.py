@@ -16,40 +16,34 @@ pytestmark = pytest.mark.skipif(NO_MCORE is not None, reason=NO_MCORE or "")
 
 TP2 = Case(Layout(2, 1, 2), steps=1)
 CP2 = Case(Layout(1, 2, 2), steps=1)
+PP4 = Case(Layout(1, 1, 1), steps=1)
+PP2 = Case(Layout(2, 1, 1), steps=1)
 
-RUNS: list[tuple[str, Case, Fault, str, str]] = [
-    # (id, case, fault, exception raised by wrap on every rank, text in its message)
-    ("oversize tp2", TP2, Fault("oversize", dp_rank=1, index=2), "PortablePackingError", "DP rank 1, sample 2"),
-    (
-        "oversize cp2",
-        CP2,
-        Fault("oversize", dp_rank=0, index=5),
-        "PortablePackingError",
-        "exceeds the bin capacity 128",
-    ),
-    ("missing key", TP2, Fault("no labels", dp_rank=0, index=1, kind="no_labels"), "PortablePackingError", "'labels'"),
-    (
-        "one rank ran out",
-        TP2,
-        Fault("ran out", dp_rank=1, index=3, kind="exhausted"),
-        "PortablePackingError",
-        "after 3",
-    ),
-    ("all ran out", CP2, Fault("all out", dp_rank=None, index=0, kind="exhausted"), "StopIteration", "exhausted"),
-    ("cp siblings differ", CP2, Fault("cp", dp_rank=1, index=0, kind="fits", cp_rank=1), "PortablePackingError", "CP"),
-    ("capacity fits cp2", CP2, Fault("fits", dp_rank=1, index=0, kind="fits"), "ok", ""),
-    ("capacity fits tp2", TP2, Fault("fits", dp_rank=0, index=7, kind="fits"), "ok", ""),
+RUNS: list[tuple[str, Case, Fault, str, str, int]] = [
+    # (id, case, fault, exception raised by wrap on every rank, text in its message, PP size)
+    ("oversize tp2", TP2, Fault("oversize", 1, 2), "PortablePackingError", "DP rank 1, sample 2", 1),
+    ("oversize cp2", CP2, Fault("oversize", 0, 5), "PortablePackingError", "exceeds the bin capacity 128", 1),
+    ("oversize pp4", PP4, Fault("oversize", 0, 2), "PortablePackingError", "sample 2", 4),
+    ("missing key", TP2, Fault("no labels", 0, 1, kind="no_labels"), "PortablePackingError", "'labels'", 1),
+    ("missing key pp2", PP2, Fault("no labels", 0, 4, kind="no_labels"), "PortablePackingError", "'labels'", 2),
+    ("one rank ran out", TP2, Fault("ran out", 1, 3, kind="exhausted"), "PortablePackingError", "after 3", 1),
+    ("all ran out", CP2, Fault("all out", None, 0, kind="exhausted"), "StopIteration", "exhausted", 1),
+    ("cp siblings differ", CP2, Fault("cp", 1, 0, kind="fits", cp_rank=1), "PortablePackingError", "CP", 1),
+    ("capacity fits cp2", CP2, Fault("fits", 1, 0, kind="fits"), "ok", "", 1),
+    ("capacity fits tp2", TP2, Fault("fits", 0, 7, kind="fits"), "ok", "", 1),
+    ("capacity fits pp4", PP4, Fault("fits", 0, 1, kind="fits"), "ok", "", 4),
 ]
 
 
 @pytest.fixture(scope="module")
 def outcomes() -> dict[str, list[dict]]:
-    per_rank = launch(faults_on_rank, 4, args=([(case, fault) for _, case, fault, *_ in RUNS],), sys_path=SYS_PATH)
+    runs = [(case, fault, pp) for _, case, fault, _, _, pp in RUNS]
+    per_rank = launch(faults_on_rank, 4, args=(runs,), sys_path=SYS_PATH)
     return {run[0]: [rank_results[i] for rank_results in per_rank] for i, run in enumerate(RUNS)}
 
 
-@pytest.mark.parametrize(("name", "case", "fault", "raised", "text"), RUNS, ids=[r[0] for r in RUNS])
-def test_every_rank_raises_the_same_error(outcomes, name, case, fault, raised, text):
+@pytest.mark.parametrize(("name", "case", "fault", "raised", "text", "pp"), RUNS, ids=[r[0] for r in RUNS])
+def test_every_rank_raises_the_same_error(outcomes, name, case, fault, raised, text, pp):
     wraps = {tuple(result["wrap"]) for result in outcomes[name]}
     assert len(wraps) == 1, f"ranks disagree: {wraps}"
     ((kind, message),) = wraps
@@ -57,7 +51,7 @@ def test_every_rank_raises_the_same_error(outcomes, name, case, fault, raised, t
     assert text in message
 
 
-@pytest.mark.parametrize("name", ["capacity fits cp2", "capacity fits tp2"])
+@pytest.mark.parametrize("name", ["capacity fits cp2", "capacity fits tp2", "capacity fits pp4"])
 def test_an_extra_fetch_raises_on_every_rank(outcomes, name):
     fetches = {tuple(result["fetch"]) for result in outcomes[name]}
     assert len(fetches) == 1, f"ranks disagree: {fetches}"
