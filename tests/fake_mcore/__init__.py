@@ -304,7 +304,7 @@ class FakeMCore:
         return batch[: self.fetch_arity]
 
 
-def dev_schedulers(fake: FakeMCore, *, max_num_seqs: bool, dynamic: bool) -> dict[str, type]:  # a str-keyed registry
+def dev_schedulers(fake: FakeMCore, *, max_num_seqs: bool, dynamic: bool) -> dict[str, type]:
     """dev's ``scheduler_map``: ``dp_balanced`` (and ``default_dynamic_cp`` from G4), keyed by str."""
 
     class BasePackingScheduler:
