@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import sys
+from types import ModuleType
 
 import pytest
 import torch
@@ -52,8 +54,43 @@ def test_restored_after_an_exception():
     assert _originals() == before
 
 
-def test_triton_stand_in_only_when_the_import_fails(monkeypatch: pytest.MonkeyPatch):
+def _megatron_core_import(monkeypatch: pytest.MonkeyPatch, missing: str | None) -> None:
+    """``import_module("megatron.core")`` fails for want of ``missing`` (None: it imports)."""
+    real = importlib.import_module
+
+    def import_module(name: str, package: str | None = None) -> ModuleType:
+        if name != "megatron.core":
+            return real(name, package)
+        if missing is not None:
+            raise ModuleNotFoundError(f"No module named {missing!r}", name=missing)
+        return ModuleType(name)
+
+    monkeypatch.setattr(importlib, "import_module", import_module)
+
+
+@pytest.mark.parametrize(
+    ("triton", "megatron_core_missing", "stand_in"),
+    [
+        (None, "triton", True),  # 0.18+, main, dev without triton
+        (None, None, False),  # 0.13-0.17 without triton: torch must keep seeing no triton
+        (None, "megatron", False),  # no Megatron-Core at all
+        (ModuleType("triton"), "triton", False),  # triton installed
+    ],
+)
+def test_triton_stand_in_only_where_megatron_core_needs_it(
+    triton: ModuleType | None, megatron_core_missing: str | None, stand_in: bool, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setitem(sys.modules, "triton", triton)
+    _megatron_core_import(monkeypatch, megatron_core_missing)
+    with cpu_patches() as applied:
+        assert ("P1 stand-in triton" in applied) == stand_in
+        assert (sys.modules["triton"] is not triton) == stand_in
+    assert sys.modules["triton"] is triton
+
+
+def test_triton_stand_in_behaves_like_triton_where_it_is_imported(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setitem(sys.modules, "triton", None)
+    _megatron_core_import(monkeypatch, "triton")
     with cpu_patches() as applied:
         import triton
         import triton.language as tl

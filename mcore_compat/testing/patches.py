@@ -5,7 +5,7 @@ here is active unless a caller enters it.
 
 | # | patch | applied |
 |---|---|---|
-| P1 | stand-in ``triton`` module | only if ``import triton`` fails |
+| P1 | stand-in ``triton`` module | only if ``import megatron.core`` fails for want of triton |
 | P2 | ``torch.cuda.current_device()`` returns the CPU device | always |
 | P3 | ``Tensor.cuda()`` returns the tensor itself | always |
 | P4 | ``torch.cuda.synchronize()`` is a no-op | dynamic CP (group warm-up) |
@@ -83,11 +83,21 @@ def _stub_attribute(attr: str) -> type:
     return type(attr, (_TritonStub,), {})
 
 
-def _triton_missing() -> bool:
+def _triton_stand_in_needed() -> bool:
+    """Whether ``import megatron.core`` fails only for want of triton (0.18+, main and dev without triton).
+
+    Elsewhere (no triton and a pin that does not import it: 0.13-0.17) a stand-in would make torch believe
+    triton is installed and import ``triton.backends``.
+    """
     try:
         importlib.import_module("triton")
+        return False
     except ImportError:
-        return True
+        pass
+    try:
+        importlib.import_module("megatron.core")
+    except ImportError as exc:
+        return exc.name == "triton"
     return False
 
 
@@ -161,7 +171,7 @@ def cpu_patches(
     """
     patcher = _Patcher()
     try:
-        if _triton_missing():
+        if _triton_stand_in_needed():
             _apply_triton_stub(patcher)
         patcher.setattr(torch.cuda, "current_device", _cpu_device)
         patcher.setattr(torch.Tensor, "cuda", _same_tensor)
