@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from mcore_compat.adapters.base import PackedBatch, PackingAdapter, WrapResult
+from mcore_compat.adapters.base import DYNAMIC_CP_SCHEDULERS, PackedBatch, PackingAdapter, WrapResult
 from mcore_compat.capabilities import Capabilities
 from mcore_compat.generations import DYNAMIC_CP_PIN
 from mcore_compat.portable import exchange
@@ -141,14 +141,19 @@ class PortableAdapter(PackingAdapter):
         )
 
     def probe(self, scheduler: str, *, dynamic_cp: bool = False) -> str | None:
-        if dynamic_cp or scheduler != SCHEDULER:
-            what = "dynamic context parallelism" if dynamic_cp else f"scheduler {scheduler!r}"
-            return self.refusal(
-                f"{what} needs Megatron-Core's native scheduler; the portable backend runs only {SCHEDULER!r} "
-                "with static context parallelism",
-                pin=DYNAMIC_CP_PIN,
+        if not dynamic_cp and scheduler == SCHEDULER:
+            return None
+        if not dynamic_cp and scheduler not in DYNAMIC_CP_SCHEDULERS:
+            return (
+                f"sequence_packing_scheduler={scheduler!r} is not a Megatron-Core scheduler name; on "
+                f"{self.capabilities.describe()} the portable backend runs {SCHEDULER!r} (exact spelling)"
             )
-        return None
+        what = "dynamic context parallelism" if dynamic_cp else f"scheduler {scheduler!r}"
+        return self.refusal(
+            f"{what} needs Megatron-Core's native scheduler; the portable backend runs only {SCHEDULER!r} "
+            "with static context parallelism",
+            pin=DYNAMIC_CP_PIN,
+        )
 
     # -- wrap: one step -------------------------------------------------------------------------
 

@@ -1,0 +1,106 @@
+"""The portable adapter's config reading, probe and selection (the probe on the installed release, if any)."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+
+from mcore_compat import adapters
+from mcore_compat.adapters.portable import PortableAdapter, Settings, read_settings
+from mcore_compat.capabilities import detect
+
+
+def config(**fields):
+    base = {"max_seqlen_per_dp_cp_rank": 64, "virtual_pipeline_model_parallel_size": None}
+    return SimpleNamespace(**{**base, **fields})
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({}, Settings(64, None, None, None)),
+        ({"thd_max_packed_sequences": 4}, Settings(64, None, None, 4)),
+        ({"microbatch_group_size_per_vp_stage": 2}, Settings(64, None, None, None)),
+        (
+            {"virtual_pipeline_model_parallel_size": 2, "microbatch_group_size_per_vp_stage": 4},
+            Settings(64, 2, 4, None),
+        ),
+    ],
+)
+def test_read_settings(fields, expected):
+    assert read_settings(config(**fields)) == expected
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"max_seqlen_per_dp_cp_rank": None}, "max_seqlen_per_dp_cp_rank=None"),
+        ({"max_seqlen_per_dp_cp_rank": 0}, "max_seqlen_per_dp_cp_rank=0"),
+        ({"max_seqlen_per_dp_cp_rank": True}, "max_seqlen_per_dp_cp_rank=True"),
+        ({"pad_packed_seq_alignment": 128}, "pad_packed_seq_alignment=128"),
+        ({"thd_max_packed_sequences": 0}, "thd_max_packed_sequences=0"),
+        (
+            {"virtual_pipeline_model_parallel_size": 2, "microbatch_group_size_per_vp_stage": 0},
+            "microbatch_group_size_per_vp_stage=0",
+        ),
+    ],
+)
+def test_read_settings_names_the_bad_field(fields, message):
+    with pytest.raises(ValueError, match=message):
+        read_settings(config(**fields))
+
+
+def _caps(**changes):
+    base = detect()
+    if base.generation is None:
+        base = dataclasses.replace(
+            base, mcore_version="0.16.1", generation="G1", packed_seq_params_fields=("qkv_format",)
+        )
+    return dataclasses.replace(base, **changes)
+
+
+@pytest.mark.parametrize(
+    ("changes", "matches"),
+    [
+        ({"wrap_params": None, "fetch_params": None}, True),
+        ({"wrap_params": None, "fetch_params": ("data_iterator",)}, True),
+        ({"wrap_params": ("a",), "fetch_params": ("b",)}, False),
+        ({"wrap_params": None, "fetch_params": None, "generation": None}, False),
+        ({"wrap_params": None, "fetch_params": None, "packed_seq_params_fields": ()}, False),
+    ],
+)
+def test_matches_pins_without_a_native_scheduler(changes, matches):
+    assert PortableAdapter.matches(_caps(**changes)) is matches
+
+
+def test_registered_before_the_unsupported_adapter():
+    order = [cls.__name__ for cls in adapters.ADAPTERS]
+    assert order.index("PortableAdapter") == order.index("UnsupportedAdapter") - 1
+
+
+PORTABLE_PIN = detect().generation in PortableAdapter.generations
+on_portable_pin = pytest.mark.skipif(not PORTABLE_PIN, reason="needs an installed release without a native scheduler")
+
+
+@on_portable_pin
+@pytest.mark.parametrize(
+    ("scheduler", "dynamic_cp", "expected"),
+    [
+        ("dp_balanced", False, None),
+        ("dp_balanced", True, "dynamic context parallelism needs Megatron-Core's native scheduler"),
+        ("default_dynamic_cp", True, "dynamic context parallelism needs Megatron-Core's native scheduler"),
+        ("default_dynamic_cp", False, "scheduler 'default_dynamic_cp' needs Megatron-Core's native scheduler"),
+        ("DP_BALANCED", False, "'DP_BALANCED' is not a Megatron-Core scheduler name"),
+    ],
+)
+def test_probe_on_the_installed_release(scheduler, dynamic_cp, expected):
+    adapters.reset()
+    adapter = adapters.adapter()
+    assert isinstance(adapter, PortableAdapter) and adapter.backend == "portable"
+    reason = adapter.probe(scheduler, dynamic_cp=dynamic_cp)
+    if expected is None:
+        assert reason is None
+    else:
+        assert expected in reason and detect().describe() in reason
