@@ -144,9 +144,9 @@ class PortableAdapter(PackingAdapter):
         if not dynamic_cp and scheduler == SCHEDULER:
             return None
         if not dynamic_cp and scheduler not in DYNAMIC_CP_SCHEDULERS:
-            return (
-                f"sequence_packing_scheduler={scheduler!r} is not a Megatron-Core scheduler name; on "
-                f"{self.capabilities.describe()} the portable backend runs {SCHEDULER!r} (exact spelling)"
+            return self.refusal(
+                f"sequence_packing_scheduler={scheduler!r} is not a Megatron-Core scheduler name; the portable "
+                f"backend runs {SCHEDULER!r} (exact spelling)"
             )
         what = "dynamic context parallelism" if dynamic_cp else f"scheduler {scheduler!r}"
         return self.refusal(
