@@ -26,6 +26,7 @@ from typing import Any
 
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
 """Environment of every rank: one thread each, gloo on the loopback interface."""
+POLL_S = 0.25
 DEFAULT_BYTECODE_CACHE = os.path.join(
     os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "mcore-compat", "pycache"
 )
@@ -86,9 +87,13 @@ def _bootstrap(
         Path(f"{base}.error").write_text(traceback.format_exc())
         sys.stderr.flush()
         os._exit(1)
+    dist.barrier()  # no peer still in a collective with this rank when it goes
     dist.destroy_process_group()
     torch.save(result, f"{base}.tmp")  # not pickle: megatron.core swaps torch's storage unpickler
     os.replace(f"{base}.tmp", f"{base}.result")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip interpreter teardown: nothing is left to do, and it can stall on library threads
 
 
 def _load(path: Path) -> Any:
@@ -184,17 +189,23 @@ def launch(
             for process in processes:
                 process.start()
         deadline = time.monotonic() + timeout
-        while any(p.exitcode is None for p in processes):
+        results = [workdir / f"rank{rank}.result" for rank in range(world_size)]
+        while not all(path.exists() for path in results):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise LaunchError(_timeout_report(workdir, processes, timeout))
-            multiprocessing.connection.wait([p.sentinel for p in processes if p.exitcode is None], remaining)
+            alive = [p.sentinel for p in processes if p.exitcode is None]
+            multiprocessing.connection.wait(alive, min(remaining, POLL_S)) if alive else time.sleep(POLL_S)
             exitcodes = [p.exitcode for p in processes]
-            failed = [rank for rank, code in enumerate(exitcodes) if code not in (None, 0)]
+            failed = [
+                rank
+                for rank, code in enumerate(exitcodes)
+                if code not in (None, 0) or (code == 0 and not results[rank].exists())
+            ]
             if failed:
                 _kill(processes)
                 raise LaunchError(_failure_report(workdir, failed, exitcodes))
-        return [_load(workdir / f"rank{rank}.result") for rank in range(world_size)]
+        return [_load(path) for path in results]
     finally:
         _kill(processes)
         shutil.rmtree(workdir, ignore_errors=True)

@@ -12,7 +12,7 @@ import importlib
 import importlib.util
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -222,7 +222,9 @@ def run_case_on_rank(rank: int, case: Case) -> CaseResult:
     return CaseResult(case, rank, skipped=None, patches=applied, steps=steps, **_pin())
 
 
-def _worker(rank: int, world_size: int, cases: Sequence[Case]) -> list[CaseResult]:
+def _worker(rank: int, world_size: int, cases: Sequence[Case], setup: Callable[[], None] | None) -> list[CaseResult]:
+    if setup is not None:
+        setup()
     return [run_case_on_rank(rank, case) for case in cases]
 
 
@@ -232,16 +234,18 @@ def run_cases(
     sys_path: Sequence[str] = (),
     timeout: float = 240.0,
     env: Mapping[str, str] | None = None,
+    setup: Callable[[], None] | None = None,
 ) -> list[CaseRun]:
     """Run ``cases`` (one world size) in one gloo process group; returns what every rank recorded.
 
-    ``sys_path`` and ``env`` reach every rank (see :func:`~mcore_compat.testing.launcher.launch`).
+    ``sys_path`` and ``env`` reach every rank (see :func:`~mcore_compat.testing.launcher.launch`);
+    ``setup`` (a module-level function) runs on every rank before the first case.
     """
     sizes = {case.layout.world_size for case in cases}
     if len(sizes) != 1:
         raise ValueError(f"cases span world sizes {sorted(sizes)}: run one world size per launch")
     per_rank: list[list[CaseResult]] = launch(
-        _worker, sizes.pop(), args=(list(cases),), timeout=timeout, sys_path=sys_path, env=env
+        _worker, sizes.pop(), args=(list(cases), setup), timeout=timeout, sys_path=sys_path, env=env
     )
     runs = []
     for index, case in enumerate(cases):
