@@ -13,7 +13,6 @@ import importlib
 import importlib.metadata
 import inspect
 import json
-import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +30,7 @@ from mcore_compat.generations import (
     WRAP_FUNCTION,
     Generation,
 )
+from mcore_compat.pins import git_head
 
 
 @dataclass(frozen=True)
@@ -121,20 +121,7 @@ def _commit(core_dir: Path) -> str | None:
         commit = json.loads(direct_url).get("vcs_info", {}).get("commit_id")
         if commit:
             return str(commit)
-    try:
-        out = subprocess.run(
-            ["git", "-C", str(core_dir), "rev-parse", "--show-toplevel", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    lines = out.stdout.split()
-    if out.returncode != 0 or len(lines) != 2 or Path(lines[0]).resolve() != core_dir.parent.parent:
-        return None
-    return lines[1]
+    return git_head(core_dir.parent.parent)
 
 
 def _scheduler_registry(ds: ModuleType) -> tuple[tuple[str, ...], Literal["str", "enum"] | None]:
