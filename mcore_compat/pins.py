@@ -326,10 +326,8 @@ def format_list(table: PinTable) -> str:
 
 
 def installed_version(caps: Capabilities) -> str | None:
-    """The version of the imported Megatron-Core, preferring its distribution's metadata.
-
-    From 0.19 on, ``package_info.__version__`` appends the commit of whatever git repository the wheel is
-    installed inside (``0.19.2+<sha>`` in a virtual environment under a project checkout); the metadata does not.
+    """The version of the imported Megatron-Core: its distribution's metadata when that distribution is what
+    was imported (or when ``megatron.core`` failed to import), else what the module reports (a source tree).
     """
     try:
         dist = importlib.metadata.distribution("megatron-core")
