@@ -3,22 +3,25 @@
     nox -l                           list the sessions
     nox                              lint + tests (fast: no Megatron-Core installed; $MCORE_SRC checkouts if set)
     nox -s test-mcore-core_r0_16     install megatron-core 0.16.1 for real, then this project, then the whole suite
-    nox -t matrix                    lint + every pin session (the README's test command and CI run this)
+    nox -t matrix -j auto            lint + every pin session, concurrently (the README's test command, CI)
 
 The pins, their Python and how each installs live in mcore_compat/pins.toml. Python 3.11/3.12 are found on
 PATH, through pyenv (whose interpreters are not on PATH unless selected), or from $PYTHON_3_11 / $PYTHON_3_12.
-The 3.12 pins share one environment (.nox/shared-py3.12; only CUDA torch builds exist for 3.12, about 5.5 GB):
-delete it to rebuild it from scratch.
+The 3.12 pins share one environment (.nox/shared-py3.12; only CUDA torch builds exist for 3.12, about 5.5 GB),
+one session at a time: delete it to rebuild it from scratch.
 """
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import os
 import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from types import ModuleType
 
@@ -29,7 +32,7 @@ MATRIX_TAG = "matrix"
 DEMO_PIN = "core_r0.16"
 RUFF = "ruff==0.17.6"
 
-nox.needs_version = ">=2025.2.9"
+nox.needs_version = ">=2026.10.20"  # parallel sessions (-j, allow_parallel)
 nox.options.default_venv_backend = "venv"
 nox.options.error_on_missing_interpreters = True
 if hasattr(nox.options, "download_python"):
@@ -109,6 +112,14 @@ def _pytest(session: nox.Session, python: Path, env: dict[str, str | None]) -> N
     session.run(str(python), "-m", "pytest", "tests", *session.posargs, env=env, external=True, success_codes=[0])
 
 
+@contextmanager
+def _exclusive(session: nox.Session, name: str) -> Iterator[None]:
+    """An exclusive lock across nox processes: sessions run concurrently under ``nox -j``."""
+    with (session.cache_dir.parent.resolve() / f".{name}.lock").open("w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
 def _shared_environment(session: nox.Session, series: str) -> Path:
     """One environment for all pins of ``series``, created on first use and kept (pip switches the pin in it)."""
     interpreter = PYTHONS[series]
@@ -142,7 +153,8 @@ def _install_pin(session: nox.Session, pin: pins.Pin, project: str = f"{ROOT}[te
         _pip(session, python, *series.base)
     for args in pins.install_plan(pin, source):
         _pip(session, python, *args)
-    _pip(session, python, project)
+    with _exclusive(session, "project-build"):  # pip builds this checkout in place (build/, *.egg-info)
+        _pip(session, python, project)
     return python, source
 
 
@@ -150,12 +162,10 @@ def _pin_session(pin: pins.Pin) -> None:
     shared = TABLE.pythons[pin.python].shared
 
     def run(session: nox.Session) -> None:
-        python, source = _install_pin(session, pin)
-        _pytest(
-            session,
-            python,
-            {"MCORE_COMPAT_EXPECT_PIN": pin.name, "MCORE_SRC": str(source) if source else None},
-        )
+        with _exclusive(session, f"shared-py{pin.python}") if shared else nullcontext():
+            python, source = _install_pin(session, pin)
+            env = {"MCORE_COMPAT_EXPECT_PIN": pin.name, "MCORE_SRC": str(source) if source else None}
+            _pytest(session, python, env)
 
     run.__doc__ = f"{pin.name} (Python {pin.python}): {pin.how()}; then the whole suite"
     nox.session(
@@ -165,10 +175,11 @@ def _pin_session(pin: pins.Pin) -> None:
         venv_backend="none" if shared else None,
         tags=[MATRIX_TAG],
         default=False,
+        allow_parallel=True,
     )
 
 
-@nox.session(python=PY311, tags=[MATRIX_TAG])
+@nox.session(python=PY311, tags=[MATRIX_TAG], allow_parallel=True)
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check."""
     session.install(RUFF)
