@@ -14,6 +14,7 @@ import shlex
 import subprocess
 import sys
 import tomllib
+import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -247,7 +248,7 @@ def find_checkout(pin: Pin, environ: Mapping[str, str], head: Callable[[Path], s
     """A local checkout at the pin's commit: ``$MCORE_SRC_<PIN>`` (must match), else ``$MCORE_SRC`` if it does."""
     explicit = environ.get(pin.source_variable)
     if explicit:
-        path = Path(explicit)
+        path = Path(explicit).resolve()
         commit = head(path)
         if commit != pin.commit:
             found = "not the root of a git checkout" if commit is None else f"at commit {commit}"
@@ -258,7 +259,7 @@ def find_checkout(pin: Pin, environ: Mapping[str, str], head: Callable[[Path], s
         return path
     shared = environ.get(SHARED_SOURCE_VARIABLE)
     if shared and head(Path(shared)) == pin.commit:
-        return Path(shared)
+        return Path(shared).resolve()
     return None
 
 
@@ -290,13 +291,15 @@ def install_plan(pin: Pin, source: Path | None = None) -> list[list[str]]:
     """The ``pip install`` argument lists that install ``pin``, in order.
 
     A release resolves together with its requirements; a source pin installs its requirements first, then
-    itself with ``pip_args`` (which keep pip from resolving its dependencies on the wrong Python).
+    itself with ``pip_args`` (which keep pip from resolving its dependencies on the wrong Python), from the
+    pinned commit of the local checkout or of its repository: a snapshot whose install records the commit.
     """
     if pin.package is not None:
         return [[*pin.pip_args, pin.package, *pin.requires]]
-    target = ["-e", str(source)] if source is not None else [f"megatron-core @ git+{pin.git}@{pin.commit}"]
+    # file://localhost/...: pip 23's requirement parser rejects the empty host of file:///...
+    url = f"file://localhost{urllib.parse.quote(str(source))}" if source is not None else pin.git
     steps = [list(pin.requires)] if pin.requires else []
-    return [*steps, [*pin.pip_args, *target]]
+    return [*steps, [*pin.pip_args, f"megatron-core @ git+{url}@{pin.commit}"]]
 
 
 def check_python(pin: Pin, version: Sequence[int] = sys.version_info[:3]) -> None:

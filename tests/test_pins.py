@@ -7,6 +7,7 @@ import importlib.metadata
 import os
 import subprocess
 import sys
+import urllib.parse
 from pathlib import Path
 
 import pytest
@@ -275,12 +276,22 @@ def test_git_head_reads_only_the_root_of_a_real_checkout(tmp_path: Path) -> None
     [
         (RELEASES[0], None, [[RELEASES[0].package]]),
         (RELEASES[-1], None, [[str(RELEASES[-1].package), *RELEASES[-1].requires]]),
-        (MAIN, Path(HOSTILE_PATH), [list(MAIN.requires), [*MAIN.pip_args, "-e", HOSTILE_PATH]]),
         (MAIN, None, [list(MAIN.requires), [*MAIN.pip_args, f"megatron-core @ git+{MAIN.git}@{MAIN.commit}"]]),
     ],
 )
 def test_install_plan_is_argument_lists(pin: pins.Pin, source: Path | None, expected: list[list[str]]) -> None:
     assert pins.install_plan(pin, source) == expected
+
+
+def test_a_local_checkout_installs_the_pinned_commit_as_one_argument() -> None:
+    *requires, (*args, target) = pins.install_plan(MAIN, Path(HOSTILE_PATH))
+    assert requires == [list(MAIN.requires)] and args == list(MAIN.pip_args)
+    name, url = target.split(" @ git+", 1)
+    location, commit = url.rsplit("@", 1)
+    assert (name, commit) == ("megatron-core", MAIN.commit)
+    assert urllib.parse.urlsplit(location)[:2] == ("file", "localhost")
+    assert urllib.parse.unquote(urllib.parse.urlsplit(location).path) == HOSTILE_PATH
+    assert not any(c in location for c in " ;$()`")
 
 
 def test_source_pins_install_without_dependencies() -> None:
