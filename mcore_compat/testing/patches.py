@@ -72,6 +72,7 @@ def _jit(fn: Any = None, **kwargs: Any) -> Any:
 def _stub_module(name: str) -> ModuleType:
     module = ModuleType(name)
     module.__dict__["jit"] = _jit
+    module.__dict__["__version__"] = "0.0.0"  # Megatron-Core's own "no usable triton" (0.18+ parse it on import)
     module.__dict__["__getattr__"] = _stub_attribute
     return module
 
