@@ -26,7 +26,7 @@ def report() -> dict[str, Any]:
     return {
         "generation": caps.generation,
         "adapter": chosen.name,
-        "adapter_covers": chosen.covers,
+        "adapter_serves": chosen.serving(),
         "backend": chosen.backend,
         "capabilities": caps.as_dict(),
         "schedulers": rows,
@@ -45,7 +45,7 @@ def format_report(data: dict[str, Any]) -> str:
     caps = data["capabilities"]
     lines = [
         f"Megatron-Core generation: {data['generation'] or 'none'}",
-        f"adapter: {data['adapter']} ({data['adapter_covers']})",
+        f"adapter: {data['adapter_serves']}",
         "",
         "capabilities:",
     ]

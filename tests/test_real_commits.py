@@ -89,7 +89,7 @@ def worktree(rev: str, name: str) -> Path:
 
 def declaring_adapter(generation: str) -> str:
     """The adapter that declares ``generation``, else the terminal UnsupportedAdapter."""
-    return next((cls.__name__ for cls in ADAPTERS if generation in cls.generations), UnsupportedAdapter.__name__)
+    return next((cls.__name__ for cls in ADAPTERS if generation in cls.generations()), UnsupportedAdapter.__name__)
 
 
 def fake_capabilities(generation: str) -> dict[str, Any]:

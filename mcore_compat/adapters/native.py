@@ -1,9 +1,9 @@
-"""Shared driver for generations whose Megatron-Core ships the packing scheduler itself."""
+"""Adapter for generations whose Megatron-Core ships the packing scheduler itself (dev G2-G8, main M3)."""
 
 from __future__ import annotations
 
 import importlib
-from typing import Any, ClassVar
+from typing import Any
 
 from mcore_compat.adapters.base import FETCH_ARITY, PackedBatch, PackingAdapter, WrapResult
 from mcore_compat.capabilities import Capabilities
@@ -11,9 +11,12 @@ from mcore_compat.generations import FETCH_FUNCTION, SCHEDULER_MODULE, WRAP_FUNC
 
 
 class NativeSchedulerAdapter(PackingAdapter):
-    """Call MCore's ``wrap_data_iterator`` and packed fetch with the keywords this family takes."""
+    """Call MCore's ``wrap_data_iterator`` and packed fetch with the keywords the generation's row lists.
 
-    fetch_keywords: ClassVar[tuple[str, ...]] = ()
+    The fetch's optional keywords (``dynamic_cp`` from G4, ``config`` from G5), its arity and the PP stages
+    that load data come from the generation table; ``wrap_data_iterator`` looks the configured name up in
+    the pin's own registry (string keys on dev, ``PackingSchedulerEnum`` on main).
+    """
 
     def __init__(self, capabilities: Capabilities) -> None:
         super().__init__(capabilities)
@@ -22,15 +25,22 @@ class NativeSchedulerAdapter(PackingAdapter):
         self._fetch = getattr(module, FETCH_FUNCTION)
 
     @classmethod
-    def takes_fetch_keywords(cls, capabilities: Capabilities) -> bool:
-        """The packed fetch accepts exactly this family's optional keywords."""
-        params = capabilities.fetch_params or ()
-        return all(k in params for k in cls.fetch_keywords) and not any(
-            k in params for k in ("dynamic_cp", "config") if k not in cls.fetch_keywords
+    def speaks(cls, capabilities: Capabilities) -> bool:
+        """Both entry points exist and take ``pg_collection``; any other fetch keyword is one this adapter passes."""
+        known = {"data_iterator", "vpp_size", "mtp_on_this_rank", "vp_stage", "pg_collection", "dynamic_cp", "config"}
+        return (
+            capabilities.has_native_scheduler
+            and "pg_collection" in (capabilities.wrap_params or ())
+            and "pg_collection" in (capabilities.fetch_params or ())
+            and set(capabilities.fetch_params or ()) <= known
         )
 
     def probe(self, scheduler: str, *, dynamic_cp: bool = False) -> str | None:
-        return self.missing_native_api(scheduler, dynamic_cp) or self.scheduler_mismatch(scheduler, dynamic_cp)
+        return (
+            self.unknown_scheduler(scheduler, self.capabilities.scheduler_names)
+            or self.scheduler_mismatch(scheduler, dynamic_cp)
+            or self.missing_native_api(scheduler, dynamic_cp)
+        )
 
     def wrap(self, data_iterator: Any, model_config: Any, num_microbatches: int, pg_collection: Any) -> WrapResult:
         self.require_runnable(model_config)
@@ -49,9 +59,9 @@ class NativeSchedulerAdapter(PackingAdapter):
             "vp_stage": vp_stage,
             "pg_collection": pg_collection,
         }
-        if "dynamic_cp" in self.fetch_keywords:
+        if "dynamic_cp" in self.facts.fetch_keywords:
             kwargs["dynamic_cp"] = self.dynamic_cp_enabled(model_config)
-        if "config" in self.fetch_keywords:
+        if "config" in self.facts.fetch_keywords:
             kwargs["config"] = model_config
         iterator = data_iterator if pg_collection.tp.rank() == 0 else None
         batch = tuple(self._fetch(iterator, **kwargs))

@@ -1,9 +1,9 @@
 """Portable backend: ``dp_balanced`` global-batch packing on pins whose Megatron-Core has no scheduler.
 
-Covers generations G0 (megatron-core 0.13.1-0.15.3), G1 (0.16.1-0.19.2, and dev 274e04d21f) and,
-on Megatron-LM ``main``, M1 (574e04ebf8) and M2 (c452d5a7ee): every ``megatron-core`` on the
-package index. Built on ``torch.distributed`` and the installed release's own ``PackedSeqParams``
-and ``RerunDataIterator``; it forms the same bins as Megatron-Core's ``dp_balanced`` (see
+Serves the generations without ``wrap_data_iterator`` (G0, G1, M1, M2 in the generation table):
+every ``megatron-core`` on the package index. Built on ``torch.distributed`` and the installed
+release's own ``PackedSeqParams`` and ``RerunDataIterator``; it forms the same bins as
+Megatron-Core's ``dp_balanced`` (see
 :mod:`mcore_compat.portable.schedule`) and returns what the facade returns on a native pin.
 
 One step (``wrap``), on TP rank 0 of each data-owning PP stage:
@@ -29,9 +29,8 @@ from typing import Any
 
 import torch
 
-from mcore_compat.adapters.base import DYNAMIC_CP_SCHEDULERS, PackedBatch, PackingAdapter, WrapResult
+from mcore_compat.adapters.base import PackedBatch, PackingAdapter, WrapResult
 from mcore_compat.capabilities import Capabilities
-from mcore_compat.generations import DYNAMIC_CP_PIN
 from mcore_compat.portable import exchange
 from mcore_compat.portable.errors import (
     OK,
@@ -116,11 +115,6 @@ class PortableAdapter(PackingAdapter):
     has no native scheduler.
     """
 
-    generations = ("G0", "G1", "M1", "M2")
-    covers = (
-        "portable backend: megatron-core 0.13.1-0.15.3 (G0), 0.16.1-0.19.2 and dev 274e04d21f (G1), "
-        "Megatron-LM main 574e04ebf8 .. a9381be598^ (M1, M2)"
-    )
     backend = "portable"
 
     def __init__(self, capabilities: Capabilities) -> None:
@@ -133,7 +127,7 @@ class PortableAdapter(PackingAdapter):
             self._rerun_iterator = iter
 
     @classmethod
-    def matches(cls, capabilities: Capabilities) -> bool:
+    def speaks(cls, capabilities: Capabilities) -> bool:
         return (
             capabilities.mcore_importable
             and not capabilities.has_native_scheduler
@@ -143,16 +137,17 @@ class PortableAdapter(PackingAdapter):
     def probe(self, scheduler: str, *, dynamic_cp: bool = False) -> str | None:
         if not dynamic_cp and scheduler == SCHEDULER:
             return None
-        if not dynamic_cp and scheduler not in DYNAMIC_CP_SCHEDULERS:
-            return self.refusal(
-                f"sequence_packing_scheduler={scheduler!r} is not a Megatron-Core scheduler name; the portable "
-                f"backend runs {SCHEDULER!r} (exact spelling)"
-            )
+        typo = self.unknown_scheduler(scheduler, (SCHEDULER,))
+        if typo is not None:
+            return typo
+        mismatch = self.scheduler_mismatch(scheduler, dynamic_cp)
+        if mismatch is not None:
+            return mismatch
         what = "dynamic context parallelism" if dynamic_cp else f"scheduler {scheduler!r}"
         return self.refusal(
             f"{what} needs Megatron-Core's native scheduler; the portable backend runs only {SCHEDULER!r} "
             "with static context parallelism",
-            pin=DYNAMIC_CP_PIN,
+            self.switch_remedy(scheduler, dynamic_cp, lambda row: row.runs_dynamic_cp_natively),
         )
 
     # -- wrap: one step -------------------------------------------------------------------------
@@ -183,8 +178,7 @@ class PortableAdapter(PackingAdapter):
         return iterators, step.count, float(step.seqlen_sum), float(step.seqlen_squared_sum)
 
     def _every_stage_loads(self) -> bool:
-        info = self.capabilities.generation_info
-        return info is not None and info.pipeline_data_stages == "every"
+        return self.facts.pipeline_data_stages == "every"
 
     @staticmethod
     def _stage_iterator(data_iterator: Any, settings: Settings) -> Any:
