@@ -91,7 +91,7 @@ class Capabilities:
         return self.wrap_params is not None and self.fetch_params is not None
 
     def describe(self) -> str:
-        """``G8 (megatron-core 0.19.0, commit d48bd6be0a)``-style label for messages."""
+        """``G8 (megatron-core 0.19.0, commit <sha>)``-style label for messages."""
         if not self.mcore_importable:
             return "no usable Megatron-Core"
         parts = [f"megatron-core {self.mcore_version}"]
@@ -204,8 +204,6 @@ def _features(
 ) -> frozenset[str]:
     """The generation-table features (``generations.FEATURES``) this Megatron-Core shows."""
     reroute = getattr(utils, "reroute_samples_to_dcp_ranks", None)
-    dataset_config = getattr(_import("megatron.core.datasets.gpt_dataset"), "GPTDatasetConfig", None)
-    dataset_fields = {f.name for f in dataclasses.fields(dataset_config)} if dataset_config else set()
     observed = {
         "data_schedule": ds is not None,
         "wrap": wrap_params is not None,
@@ -218,7 +216,6 @@ def _features(
         "utils.create_data_iterator": hasattr(utils, "create_data_iterator"),
         "utils.broadcast_to_pp_group": hasattr(utils, "broadcast_to_pp_group"),
         "utils.reroute_all_gather": reroute is not None and len(inspect.signature(reroute).parameters) == 7,
-        "varlen_dataset": "varlen_mock_dataset_config_json" in dataset_fields,
         "psp.cp_partition_mode": "cp_partition_mode" in psp_fields,
         "thd_tail_padding_policy": hasattr(psp, "resolve_thd_tail_padding_policy"),
         "cp_layout_routes": has_routes,

@@ -22,6 +22,6 @@ RUNS: dict[str, dict[tuple[str, bool], bool]] = {
     "M3": {STATIC: True, DYNAMIC: False},
     "G2": _DEV_STATIC_ONLY,
     "G3": _DEV_STATIC_ONLY,
-    **{gen: _DEV_BOTH for gen in ("G4", "G4b", "G4c", "G5", "G6", "G6b", "G7", "G8")},
+    **{gen: _DEV_BOTH for gen in ("G4", "G4b", "G5", "G6", "G6b", "G7", "G8")},
 }
 """Per generation: does ``(scheduler, dynamic_cp)`` run end to end through the facade (every check passing)?"""

@@ -21,27 +21,26 @@ from mcore_compat.adapters import UnsupportedAdapter
 from tests.fake_mcore import FakeGroup, FakeMCore, microbatch, packing_config, pg_collection, sample, sample_ids
 from tests.real_outcomes import RUNS
 
-NATIVE = ("G2", "G3", "G4", "G4b", "G4c", "G5", "G6", "G6b", "G7", "G8", "M3")
+NATIVE = ("G2", "G3", "G4", "G4b", "G5", "G6", "G6b", "G7", "G8", "M3")
 NATIVE_ADAPTER = dict.fromkeys(NATIVE, "NativeSchedulerAdapter")
 PP_DATA_STAGES = {gen: "first_last" for gen in ("G2", "G3", "G4", "M3")} | {
-    gen: "every" for gen in ("G4b", "G4c", "G5", "G6", "G6b", "G7", "G8")
+    gen: "every" for gen in ("G4b", "G5", "G6", "G6b", "G7", "G8")
 }
 FETCH_KEYWORDS = {
     "G2": (),
     "G3": (),
     "G4": ("dynamic_cp",),
     "G4b": ("dynamic_cp",),
-    "G4c": ("dynamic_cp",),
     **{gen: ("dynamic_cp", "config") for gen in ("G5", "G6", "G6b", "G7", "G8")},
     "M3": (),
 }
-SIX_TUPLE_FETCH = {"G2", "G3", "G4", "G4b", "G4c"}
-CONFIG_FORM_MTP = {"G2", "G3", "G4", "G4b", "G4c"}
-HAS_RESOLVE_CP_GROUP = {"G4b", "G4c", "G5", "G6", "G6b", "G7", "G8"}
+SIX_TUPLE_FETCH = {"G2", "G3", "G4", "G4b"}
+CONFIG_FORM_MTP = {"G2", "G3", "G4", "G4b"}
+HAS_RESOLVE_CP_GROUP = {"G4b", "G5", "G6", "G6b", "G7", "G8"}
 HAS_ROUTES = {"G7", "G8"}
 SWITCHES_ATTENTION = {"G1", "G2", "M1", "M2", "M3"}
 """TE's attention wrapper treats any bound cp_group as dynamic (extensions/transformer_engine.py on those trees)."""
-HYBRID_ALIAS = {"G3", "G4", "G4b", "G4c", "G5", "G6", "G6b", "G7", "G8"}
+HYBRID_ALIAS = {"G3", "G4", "G4b", "G5", "G6", "G6b", "G7", "G8"}
 
 DP = ("dp_balanced", False)
 DP_UPPER = ("DP_BALANCED", False)

@@ -78,7 +78,7 @@ class PackingAdapter(ABC):
         return type(self).__name__
 
     def serving(self) -> str:
-        """``NativeSchedulerAdapter for G4 (dev 2d6e946bab)``, or the features it was chosen by."""
+        """``NativeSchedulerAdapter for G4 (dev <first commit>)``, or the features it was chosen by."""
         if self.capabilities.generation is not None:
             return f"{self.name} for {self.facts.label()}"
         if self.capabilities.unknown_generation:

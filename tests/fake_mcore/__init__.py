@@ -148,7 +148,6 @@ class FakeMCore:
         data_stages: DataStages | None = None,
         fetch_arity: int | None = None,
         record: bool = True,
-        varlen_dataset: bool = False,
     ) -> None:
         self.generation = generation
         self.data_stages = data_stages
@@ -165,9 +164,6 @@ class FakeMCore:
         self.module("megatron.core.package_info", __version__=version)
         self.module("megatron.core.datasets", package=True)
         self.module("megatron.core.transformer", package=True)
-        dataset_fields = ["sequence_length", *(["varlen_mock_dataset_config_json"] if varlen_dataset else [])]
-        config = dataclasses.make_dataclass("GPTDatasetConfig", [(f, Any, None) for f in dataset_fields])
-        self.module("megatron.core.datasets.gpt_dataset", GPTDatasetConfig=config)
 
     # -- building ---------------------------------------------------------------------------------
 

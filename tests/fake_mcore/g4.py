@@ -1,10 +1,9 @@
-"""Fake G4/G4b/G4c (dev #2000 / #4226 / #4832): ``default_dynamic_cp`` and a 6-parameter fetch.
+"""Fake G4/G4b (dev #2000 / #4226): ``default_dynamic_cp`` and a 6-parameter fetch.
 
 The fetch takes ``dynamic_cp`` before ``pg_collection`` and still returns six values. G4b drops
 ``data_schedule_utils.broadcast_to_pp_group`` (every PP stage loads its own data), renames
 ``create_data_iterator``'s ``vpp_has_data`` to ``vpp_needs_data`` and adds
 ``packed_seq_params.resolve_cp_group``; the main->dev merge also left a dead ``HybridCPDataLoaderWrapper``.
-G4c adds ``GPTDatasetConfig.varlen_mock_dataset_config_json`` (the scheduler also takes unpacked samples).
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from tests.fake_mcore import (
     resolve_cp_group_of,
 )
 
-GENERATIONS = ("G4", "G4b", "G4c")
+GENERATIONS = ("G4", "G4b")
 DYNAMIC_CONFIG_FIELDS = (
     "max_seqlen_per_dp_cp_rank",
     "dynamic_context_parallel",
@@ -40,7 +39,6 @@ def build(generation: str, *, record: bool = True) -> FakeMCore:
         data_stages="every" if every_stage else "first_last",
         fetch_arity=6,
         record=record,
-        varlen_dataset=generation == "G4c",
     )
     extra = {"resolve_cp_group": resolve_cp_group_of(fake)} if every_stage else {}
     fake.packed_seq_params(PSP_FIELDS_TOTAL_TOKENS, **extra)

@@ -37,9 +37,7 @@ PADDING_CONFIG_FIELDS = {
 
 def build(generation: str, *, record: bool = True) -> FakeMCore:
     """The modules of the first G5, G6 or G6b commit, on the paths the facade and detection read."""
-    fake = FakeMCore(
-        generation, version="0.19.0", data_stages="every", fetch_arity=7, record=record, varlen_dataset=True
-    )
+    fake = FakeMCore(generation, version="0.19.0", data_stages="every", fetch_arity=7, record=record)
     fake.packed_seq_params(PSP_FIELDS[generation], **packed_seq_params_functions(fake, generation))
     fake.model_parallel_config((*DYNAMIC_CONFIG_FIELDS, *PADDING_CONFIG_FIELDS[generation]))
     fake.parallel_state(initialize_model_parallel, getter="get_dynamic_data_context_parallel_groups")

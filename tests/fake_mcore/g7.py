@@ -20,9 +20,7 @@ GENERATIONS = ("G7", "G8")
 
 def build(generation: str, *, record: bool = True) -> FakeMCore:
     """The modules of the first G7 commit or the dev tip, on the paths the facade and detection read."""
-    fake = FakeMCore(
-        generation, version="0.19.0", data_stages="every", fetch_arity=7, record=record, varlen_dataset=True
-    )
+    fake = FakeMCore(generation, version="0.19.0", data_stages="every", fetch_arity=7, record=record)
     fake.packed_seq_params((*PSP_FIELDS["G6b"], "cp_partition_route"), **packed_seq_params_functions(fake, "G6b"))
     fake.model_parallel_config((*DYNAMIC_CONFIG_FIELDS, *PADDING_CONFIG_FIELDS["G6b"]))
     fake.parallel_state(initialize_model_parallel, getter="get_dynamic_data_context_parallel_groups")
