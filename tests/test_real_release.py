@@ -96,3 +96,51 @@ def test_doctor_text_prints_generation_and_reasons(report: dict) -> None:
         if " no: " in line and not any(mistake in line for mistake in CONFIG_MISTAKES)
     ]
     assert refusals and all(f"detected {generation} (" in line for line in refusals), proc.stdout
+
+
+def _finalize_in_fresh_interpreter() -> dict[str, object]:
+    """finalize on the installed release's own PackedSeqParams, without and with an attached dynamic group."""
+    script = """
+import json
+from types import SimpleNamespace
+import packing
+from megatron.core.packed_seq_params import PackedSeqParams
+
+class Group:
+    def __init__(self, name, size): self.name, self._size = name, size
+    def size(self): return self._size
+    def rank(self): return 0
+
+static, dynamic = Group("static", 2), Group("dynamic", 4)
+pgc = SimpleNamespace(tp=Group("tp", 1), pp=Group("pp", 1), cp=static, dp=Group("dp", 2), dp_cp=Group("dp_cp", 4))
+fields = PackedSeqParams.__dataclass_fields__
+out = {"has_cp_group": "cp_group" in fields}
+plain = packing.finalize_packed_seq_params(PackedSeqParams(qkv_format="thd"), pgc)
+out["static"] = getattr(getattr(plain, "cp_group", None), "name", None)
+if out["has_cp_group"]:
+    attached = PackedSeqParams(qkv_format="thd", cp_group=dynamic, local_cp_size=4)
+    out["dynamic"] = packing.finalize_packed_seq_params(attached, pgc).cp_group.name
+print(json.dumps(out))
+"""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import PROJECT
+
+    env = {**os.environ, "PYTHONPATH": str(PROJECT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=PROJECT, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@needs_release
+def test_finalize_leaves_attention_on_the_models_own_cp_groups() -> None:
+    """Releases' TE wrapper switches to any bound cp_group: static CP must bind none, a dynamic group stays."""
+    result = _finalize_in_fresh_interpreter()
+    assert result["static"] is None, "the static CP group was bound; TE would treat it as a dynamic group"
+    if result["has_cp_group"]:
+        assert result["dynamic"] == "dynamic"
