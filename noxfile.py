@@ -39,9 +39,9 @@ if hasattr(nox.options, "download_python"):
     nox.options.download_python = "never"
 
 
-def _load_pins() -> ModuleType:
-    """mcore_compat/pins.py on its own: the package itself may need torch, which nox's environment lacks."""
-    spec = importlib.util.spec_from_file_location("_mcore_compat_pins", ROOT / "mcore_compat" / "pins.py")
+def _load(name: str) -> ModuleType:
+    """A leaf module of mcore_compat on its own: the package itself may need torch, which nox's environment lacks."""
+    spec = importlib.util.spec_from_file_location(f"_mcore_compat_{name}", ROOT / "mcore_compat" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
@@ -49,7 +49,8 @@ def _load_pins() -> ModuleType:
     return module
 
 
-pins = _load_pins()
+pins = _load("pins")
+gitinfo = _load("gitinfo")
 TABLE = pins.load()
 
 
@@ -140,7 +141,7 @@ def _shared_environment(session: nox.Session, series: str) -> Path:
 def _install_pin(session: nox.Session, pin: pins.Pin, project: str = f"{ROOT}[test]") -> tuple[Path, Path | None]:
     """Install ``pin`` and then this project (not editable: the installed package is what users get)."""
     try:
-        source = pins.resolve_source(pin, os.environ)
+        source = pins.resolve_source(pin, os.environ, head=gitinfo.git_head, reachable=gitinfo.git_reachable)
     except pins.SourceUnavailable as exc:
         session.skip(str(exc))
     except pins.PinError as exc:

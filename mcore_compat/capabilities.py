@@ -30,7 +30,7 @@ from mcore_compat.generations import (
     WRAP_FUNCTION,
     Generation,
 )
-from mcore_compat.pins import git_head
+from mcore_compat.gitinfo import git_head
 
 
 @dataclass(frozen=True)

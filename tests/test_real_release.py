@@ -7,6 +7,7 @@ megatron-core==0.16.1); the doctor runs in a fresh interpreter, so no source tre
 from __future__ import annotations
 
 import importlib.metadata
+import platform
 import re
 from pathlib import Path
 
@@ -26,7 +27,7 @@ PACKED_SEQ_PARAMS_FIELDS = {
     "0.18.2": 11,
     "0.19.2": 13,
 }
-SWITCH_HINT = re.compile(r"`scripts/switch_mcore\.sh (dev|main)`")
+SWITCH_HINT = re.compile(r"`(scripts/switch_mcore\.sh|mcore-compat pin) (dev|main)`")
 
 
 def installed_release() -> str | None:
@@ -88,3 +89,16 @@ def test_doctor_text_prints_generation_and_reasons(report: dict) -> None:
     assert f"Megatron-Core generation: {generation}" in proc.stdout
     refusals = [line for line in proc.stdout.splitlines() if " no: " in line]
     assert refusals and all(f"detected {generation} (" in line for line in refusals), proc.stdout
+    adapter_line = next(line for line in proc.stdout.splitlines() if line.startswith("adapter: "))
+    assert adapter_line == (
+        f"adapter: {PIN.adapter} serves {generation} (megatron-core {RELEASE}) with the {report['backend']} backend"
+    )
+
+
+@needs_release
+def test_doctor_json_names_the_versions_and_the_pin(report: dict) -> None:
+    assert PIN is not None
+    assert report["pin"] == PIN.name
+    assert report["versions"]["megatron_core"] == RELEASE
+    assert report["versions"]["torch"] == importlib.metadata.version("torch")
+    assert report["versions"]["python"] == platform.python_version()

@@ -26,7 +26,7 @@ def installed() -> Iterator[tuple[Capabilities, pins.Pin]]:
     """The real detection (never a cached fake) and the pin it matches."""
     mcore_compat.reset()
     caps = mcore_compat.detect()
-    pin = pins.match_installed(caps, pins.load())
+    pin = doctor.match_installed(caps, pins.load())
     expected = os.environ.get(EXPECT_PIN)
     if expected and (pin is None or pin.name != expected):
         pytest.fail(f"{EXPECT_PIN}={expected!r} but the installed Megatron-Core is {caps.describe()} (pin: {pin})")
