@@ -1,6 +1,6 @@
 """Detection on real Megatron-LM history: the first commit of every generation, its parent, and both tips.
 
-Needs ``MCORE_REPO`` (a Megatron-LM git repository, e.g. ``/work/.mirror/NVIDIA+Megatron-LM/repo``).
+Needs ``MCORE_REPO`` (a Megatron-LM git repository: ``git clone https://github.com/NVIDIA/Megatron-LM.git``).
 Detached worktrees are created once under ``MCORE_WORKTREES`` (default: the user cache directory,
 outside the project) and ``python -m mcore_compat doctor --json`` runs in a fresh interpreter with
 ``PYTHONPATH=<worktree>``. The doctor's capability record is also compared with the fake of the same

@@ -12,7 +12,8 @@ import importlib
 import importlib.util
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -102,6 +103,16 @@ def _init_parallel_state(case: Case) -> None:
         context_parallel_size=case.layout.cp,
         **keywords,
     )
+
+
+@contextmanager
+def model_parallel(case: Case) -> Iterator[None]:
+    """Megatron-Core's parallel state for ``case``'s layout (and dynamic CP), destroyed on leaving the block."""
+    _init_parallel_state(case)
+    try:
+        yield
+    finally:
+        importlib.import_module("megatron.core.parallel_state").destroy_model_parallel()
 
 
 def mpu_pg_collection() -> Any:
@@ -212,13 +223,10 @@ def run_case_on_rank(rank: int, case: Case) -> CaseResult:
         reason = packing.probe_global_batch_packing_support(case.scheduler, dynamic_cp=case.dynamic_cp)
         if reason is not None:
             return CaseResult(case, rank, skipped=reason, patches=applied, **_pin())
-        _init_parallel_state(case)
-        try:
+        with model_parallel(case):
             pg_collection = mpu_pg_collection()
             config = model_config(case)
             steps = [_run_step(case, step, pg_collection, config) for step in range(case.steps)]
-        finally:
-            importlib.import_module("megatron.core.parallel_state").destroy_model_parallel()
     return CaseResult(case, rank, skipped=None, patches=applied, steps=steps, **_pin())
 
 
