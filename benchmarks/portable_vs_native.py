@@ -48,6 +48,7 @@ from mcore_compat.testing import (  # noqa: E402
 COLLECTIVES = (
     "all_gather",
     "all_gather_into_tensor",
+    "all_gather_single",
     "all_gather_object",
     "all_reduce",
     "all_to_all",
