@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from mcore_compat.adapters.native import NativeSchedulerAdapter
 from mcore_compat.capabilities import Capabilities
 
@@ -12,9 +14,9 @@ class DevG2Adapter(NativeSchedulerAdapter):
     Covers G2 and G3 (the hybrid -> dynamic rename, cde56a4692, #3405).
     """
 
-    generations = ("G2", "G3")
+    generations: ClassVar[tuple[str, ...]] = ("G2", "G3")
     covers = "Megatron-LM dev 5c613abf4e (2026-03-03, #2924) .. 2d6e946bab^"
-    fetch_keywords = ()
+    fetch_keywords: ClassVar[tuple[str, ...]] = ()
     has_cp_layout_routes = False
 
     @classmethod
@@ -44,7 +46,7 @@ class DevG5Adapter(DevG2Adapter):
     Covers G5, G6 (bfa33263ca, cp_partition_mode) and G6b (1392f28a5a, tail-padding policy).
     """
 
-    generations = ("G5", "G6", "G6b")
+    generations: ClassVar[tuple[str, ...]] = ("G5", "G6", "G6b")
     covers = "Megatron-LM dev 7f9175207d (2026-06-17, #4359) .. 3f49de20de^"
     fetch_keywords = ("dynamic_cp", "config")
 

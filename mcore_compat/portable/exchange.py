@@ -165,7 +165,7 @@ def broadcast_buffer(buffer: torch.Tensor | None, group: dist.ProcessGroup, devi
     if group.size() == 1:
         assert buffer is not None
         return buffer
-    (size,) = broadcast_fixed([buffer.numel()] if group.rank() == 0 else None, 1, group, device)
+    (size,) = broadcast_fixed([buffer.numel()] if buffer is not None and group.rank() == 0 else None, 1, group, device)
     if group.rank() == 0:
         assert buffer is not None
         buffer = buffer.to(device=device, dtype=torch.int64)
