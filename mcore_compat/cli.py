@@ -7,6 +7,7 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -98,7 +99,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "pin":
         return pin_main(args.action)
     if args.command == "demo":
+        started = time.perf_counter()
         from mcore_compat import demo
 
-        return demo.run()
+        return demo.run(started=started)
     raise AssertionError(args.command)

@@ -40,11 +40,14 @@ def format_run(run: CaseRun, errors: list[str]) -> str:
     return "\n".join([*lines, "", f"  {verdict}"])
 
 
-def run(*, timeout: float = 300.0) -> int:
-    """Print the doctor report, then run the demo step; exit status 0 only when it ran and checked clean."""
+def run(*, timeout: float = 300.0, started: float | None = None) -> int:
+    """Print the doctor report, then run the demo step; exit status 0 only when it ran and checked clean.
+
+    ``started`` (a ``time.perf_counter()`` taken before torch was imported) times this process's own start,
+    which is what each rank repeats: the expected wait is scaled from it.
+    """
     doctor.run(as_json=False)
-    # This process's CPU time so far (start, torch, Megatron-Core, the doctor) is what each rank spends starting.
-    imported = time.process_time()
+    imported = time.perf_counter() - started if started is not None else time.process_time()
     print()
     reason = adapter().probe(DEMO_CASE.scheduler, dynamic_cp=DEMO_CASE.dynamic_cp)
     if reason is not None:
