@@ -147,11 +147,12 @@ def _cell(value: Any) -> str:
 
 def _served(data: Mapping[str, Any]) -> str:
     caps = data["capabilities"]
-    if data["generation"] is None:
-        return f"adapter: {data['adapter']} (no usable Megatron-Core: {caps['import_error'] or 'not detected'})"
+    if caps["import_error"] is not None:
+        return f"adapter: {data['adapter']} (no usable Megatron-Core: {caps['import_error']})"
+    generation = data["generation"] or "an unknown generation, from its features,"
     commit = f", commit {caps['mcore_commit'][:10]}" if caps["mcore_commit"] else ""
     return (
-        f"adapter: {data['adapter']} serves {data['generation']} "
+        f"adapter: {data['adapter']} serves {generation} "
         f"(megatron-core {data['versions']['megatron_core']}{commit}) with the {data['backend']} backend"
     )
 
