@@ -32,7 +32,7 @@ from mcore_compat.generations import (
     Generation,
     match,
 )
-from mcore_compat.pins import git_head
+from mcore_compat.gitinfo import git_head
 
 __all__ = [
     "Capabilities",
@@ -188,7 +188,7 @@ def _scheduler_registry(ds: ModuleType) -> tuple[tuple[str, ...], Literal["str",
     names = {key.value if isinstance(key, enum.Enum) else str(key) for key in registry}
     if enum_type is not None:
         names |= {member.value for member in enum_type}
-    keyed = "enum" if any(isinstance(key, enum.Enum) for key in registry) else "str"
+    keyed: Literal["str", "enum"] = "enum" if any(isinstance(key, enum.Enum) for key in registry) else "str"
     return tuple(sorted(names)), keyed
 
 
@@ -271,7 +271,7 @@ def detect() -> Capabilities:
         return _unavailable(_describe_error(exc))
     except Exception as exc:  # noqa: BLE001 - any import failure is reported, not raised
         return _unavailable(_describe_error(exc))
-    core_dir = Path(core.__file__).resolve().parent
+    core_dir = Path(str(core.__file__)).resolve().parent
     commit = _commit(core_dir)
     version = _version(core, commit)
     try:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import time
+
 from mcore_compat import doctor
 from mcore_compat.adapters import adapter
 from mcore_compat.testing import Case, CaseRun, LaunchError, Layout, run_cases
+from mcore_compat.testing.runner import expected_start_seconds
 
 DEMO_CASE = Case(Layout(tp=1, cp=2, dp=2), scheduler="dp_balanced", steps=1)
 
@@ -37,16 +40,29 @@ def format_run(run: CaseRun, errors: list[str]) -> str:
     return "\n".join([*lines, "", f"  {verdict}"])
 
 
-def run(*, timeout: float = 300.0) -> int:
-    """Print the doctor report, then run the demo step; exit status 0 only when it ran and checked clean."""
+def run(*, timeout: float = 300.0, started: float | None = None) -> int:
+    """Print the doctor report, then run the demo step; exit status 0 only when it ran and checked clean.
+
+    ``started`` (a ``time.perf_counter()`` taken before torch was imported) times this process's own start,
+    which is what each rank repeats: the expected wait is scaled from it.
+    """
     doctor.run(as_json=False)
+    imported = time.perf_counter() - started if started is not None else time.process_time()
     print()
     reason = adapter().probe(DEMO_CASE.scheduler, dynamic_cp=DEMO_CASE.dynamic_cp)
     if reason is not None:
         print(f"demo: cannot run a packing step on this pin: {reason}")
         return 1
+    wait = expected_start_seconds(imported, DEMO_CASE.layout.world_size)
+    print(
+        f"demo: starting {DEMO_CASE.layout.world_size} gloo ranks on CPU; each imports torch and Megatron-Core, "
+        f"expect about {wait:.0f} s",
+        flush=True,
+    )
     try:
-        (result,) = run_cases([DEMO_CASE], timeout=timeout, env={"PYTHONWARNINGS": "ignore"})
+        (result,) = run_cases(
+            [DEMO_CASE], timeout=timeout, env={"PYTHONWARNINGS": "ignore"}, probe=False, progress=None
+        )
     except LaunchError as exc:
         print(f"demo: the packing step failed:\n{exc}")
         return 1

@@ -7,6 +7,7 @@ megatron-core==0.16.1); the doctor runs in a fresh interpreter, so no source tre
 from __future__ import annotations
 
 import importlib.metadata
+import platform
 import re
 from pathlib import Path
 
@@ -96,6 +97,19 @@ def test_doctor_text_prints_generation_and_reasons(report: dict) -> None:
         if " no: " in line and not any(mistake in line for mistake in CONFIG_MISTAKES)
     ]
     assert refusals and all(f"detected {generation} (" in line for line in refusals), proc.stdout
+    adapter_line = next(line for line in proc.stdout.splitlines() if line.startswith("adapter: "))
+    assert adapter_line == (
+        f"adapter: {PIN.adapter} serves {generation} (megatron-core {RELEASE}) with the {report['backend']} backend"
+    )
+
+
+@needs_release
+def test_doctor_json_names_the_versions_and_the_pin(report: dict) -> None:
+    assert PIN is not None
+    assert report["pin"] == PIN.name
+    assert report["versions"]["megatron_core"] == RELEASE
+    assert report["versions"]["torch"] == importlib.metadata.version("torch")
+    assert report["versions"]["python"] == platform.python_version()
 
 
 def _finalize_in_fresh_interpreter() -> dict[str, object]:

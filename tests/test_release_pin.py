@@ -26,7 +26,7 @@ def installed() -> Iterator[tuple[Capabilities, pins.Pin]]:
     """The real detection (never a cached fake) and the pin it matches."""
     mcore_compat.reset()
     caps = mcore_compat.detect()
-    pin = pins.match_installed(caps, pins.load())
+    pin = doctor.match_installed(caps, pins.load())
     expected = os.environ.get(EXPECT_PIN)
     if expected and (pin is None or pin.name != expected):
         pytest.fail(f"{EXPECT_PIN}={expected!r} but the installed Megatron-Core is {caps.describe()} (pin: {pin})")
@@ -76,6 +76,8 @@ def test_status_from_an_installed_package_names_the_pin(
         timeout=300,
         check=False,
     )
+    if "No module named mcore_compat" in result.stderr and not os.environ.get(EXPECT_PIN):
+        pytest.skip("mcore-compat is not installed in this environment (each pin session installs it)")
     assert result.returncode == 0, result.stderr
     fields = dict(line.split(maxsplit=1) for line in result.stdout.splitlines())
     assert (fields["pin"], fields["generation"]) == (pin.name, pin.generation)

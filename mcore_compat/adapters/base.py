@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 from mcore_compat.capabilities import Capabilities, route_prebuilder
 from mcore_compat.generations import FETCH_FUNCTION, GENERATIONS, SCHEDULER_MODULE, WRAP_FUNCTION, Generation
+from mcore_compat.pins import load as load_pins
 
 __all__ = [
     "DYNAMIC_CP_SCHEDULERS",
@@ -44,10 +45,8 @@ def pin_hint(names: list[str]) -> str:
 
 def pins_running(scheduler: str, dynamic_cp: bool) -> list[str]:
     """The supported pins on which ``scheduler`` runs in that mode (``pins.toml`` ``runs``)."""
-    from mcore_compat import pins
-
     mode = f"{scheduler}:{'dynamic' if dynamic_cp else 'static'}"
-    return [pin.name for pin in pins.load().pins.values() if mode in pin.runs]
+    return [pin.name for pin in load_pins().pins.values() if mode in pin.runs]
 
 
 class PackingAdapter(ABC):

@@ -25,7 +25,7 @@ import dataclasses
 import importlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -104,7 +104,7 @@ def read_settings(model_config: Any) -> Settings:
     vpp_group = getattr(model_config, "microbatch_group_size_per_vp_stage", None) if vpp_size is not None else None
     if vpp_group is not None and not _positive_int(vpp_group):
         raise ValueError(f"model_config.microbatch_group_size_per_vp_stage={vpp_group!r}: use a positive int")
-    return Settings(capacity, vpp_size, vpp_group, max_seqs)
+    return Settings(cast(int, capacity), vpp_size, vpp_group, max_seqs)
 
 
 class PortableAdapter(PackingAdapter):

@@ -48,8 +48,7 @@ def first_fit_in_order(lengths: Sequence[int], capacity: int, max_seqs: int | No
         if length > capacity:
             raise ValueError(f"sample {sample} has length {length} > bin capacity {capacity}")
         open_bin = bins[-1] if bins else None
-        fits = open_bin is not None and load + length <= capacity
-        if fits and (max_seqs is None or len(open_bin) < max_seqs):
+        if open_bin is not None and load + length <= capacity and (max_seqs is None or len(open_bin) < max_seqs):
             open_bin.append(sample)
             load += length
         else:

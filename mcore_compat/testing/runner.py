@@ -11,8 +11,10 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -102,6 +104,16 @@ def _init_parallel_state(case: Case) -> None:
         context_parallel_size=case.layout.cp,
         **keywords,
     )
+
+
+@contextmanager
+def model_parallel(case: Case) -> Iterator[None]:
+    """Megatron-Core's parallel state for ``case``'s layout (and dynamic CP), destroyed on leaving the block."""
+    _init_parallel_state(case)
+    try:
+        yield
+    finally:
+        importlib.import_module("megatron.core.parallel_state").destroy_model_parallel()
 
 
 def mpu_pg_collection() -> Any:
@@ -212,13 +224,10 @@ def run_case_on_rank(rank: int, case: Case) -> CaseResult:
         reason = packing.probe_global_batch_packing_support(case.scheduler, dynamic_cp=case.dynamic_cp)
         if reason is not None:
             return CaseResult(case, rank, skipped=reason, patches=applied, **_pin())
-        _init_parallel_state(case)
-        try:
+        with model_parallel(case):
             pg_collection = mpu_pg_collection()
             config = model_config(case)
             steps = [_run_step(case, step, pg_collection, config) for step in range(case.steps)]
-        finally:
-            importlib.import_module("megatron.core.parallel_state").destroy_model_parallel()
     return CaseResult(case, rank, skipped=None, patches=applied, steps=steps, **_pin())
 
 
@@ -228,6 +237,38 @@ def _worker(rank: int, world_size: int, cases: Sequence[Case], setup: Callable[[
     return [run_case_on_rank(rank, case) for case in cases]
 
 
+def _probe_worker(
+    rank: int, world_size: int, cases: Sequence[Case], setup: Callable[[], None] | None
+) -> list[CaseResult | None]:
+    """The probe's refusal of each case (None: it runs), asked under the same patches as the ranks."""
+    if setup is not None:
+        setup()
+    answers: list[CaseResult | None] = []
+    for case in cases:
+        with cpu_patches(context_parallel=case.layout.cp > 1, dynamic_cp=case.dynamic_cp) as applied:
+            import packing
+
+            reason = packing.probe_global_batch_packing_support(case.scheduler, dynamic_cp=case.dynamic_cp)
+            answers.append(
+                None if reason is None else CaseResult(case, rank, skipped=reason, patches=applied, **_pin())
+            )
+    return answers
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def expected_start_seconds(one_rank_s: float, world_size: int, cpus: int | None = None) -> float:
+    """How long ``world_size`` ranks take to start when one takes ``one_rank_s`` alone: they share ``cpus``."""
+    cpus = cpus or _cpus()
+    return one_rank_s * -(-world_size // min(cpus, world_size))
+
+
 def run_cases(
     cases: Sequence[Case],
     *,
@@ -235,21 +276,60 @@ def run_cases(
     timeout: float = 240.0,
     env: Mapping[str, str] | None = None,
     setup: Callable[[], None] | None = None,
+    probe: bool = True,
+    start_seconds: float | None = None,
+    progress: Callable[[str], None] | None = _stderr,
 ) -> list[CaseRun]:
     """Run ``cases`` (one world size) in one gloo process group; returns what every rank recorded.
 
     ``sys_path`` and ``env`` reach every rank (see :func:`~mcore_compat.testing.launcher.launch`);
-    ``setup`` (a module-level function) runs on every rank before the first case.
+    ``setup`` (a module-level function) runs on every rank before the first case. With ``probe``, one
+    process first asks the probe about every case; cases it refuses are answered from it, and when it
+    refuses them all no rank is started. ``progress`` (default: stderr) gets one line before each
+    start, with the expected wait (from the probe process's start, or ``start_seconds``: how long one
+    process takes to import torch and Megatron-Core here).
     """
     sizes = {case.layout.world_size for case in cases}
     if len(sizes) != 1:
         raise ValueError(f"cases span world sizes {sorted(sizes)}: run one world size per launch")
-    per_rank: list[list[CaseResult]] = launch(
-        _worker, sizes.pop(), args=(list(cases), setup), timeout=timeout, sys_path=sys_path, env=env
-    )
+    world_size = sizes.pop()
+    say = progress or (lambda line: None)
+    refused: dict[int, CaseResult] = {}
+    if probe:
+        say(
+            f"mcore_compat.testing: asking the probe about {len(cases)} case(s) in one process (it imports torch "
+            "and Megatron-Core first)"
+        )
+        began = time.perf_counter()
+        answers = launch(_probe_worker, 1, args=(list(cases), setup), timeout=timeout, sys_path=sys_path, env=env)[0]
+        start_seconds = start_seconds or time.perf_counter() - began
+        refused = {index: answer for index, answer in enumerate(answers) if answer is not None}
+    runnable = [case for index, case in enumerate(cases) if index not in refused]
+    per_rank: list[list[CaseResult]] = []
+    if runnable:
+        wait = (
+            f"expect about {expected_start_seconds(start_seconds, world_size):.0f} s before the first step "
+            f"({world_size} ranks on {_cpus()} CPUs)"
+            if start_seconds
+            else "this takes a while on few CPUs"
+        )
+        note = f" ({len(refused)} refused by the probe)" if refused else ""
+        say(
+            f"mcore_compat.testing: starting {world_size} gloo ranks for {len(runnable)} case(s){note}; each "
+            f"imports torch and Megatron-Core: {wait}"
+        )
+        per_rank = launch(_worker, world_size, args=(runnable, setup), timeout=timeout, sys_path=sys_path, env=env)
+    ran = iter(range(len(runnable)))
     runs = []
     for index, case in enumerate(cases):
-        results = [rank_results[index] for rank_results in per_rank]
+        if index in refused:
+            answer = refused[index]
+            runs.append(
+                CaseRun(case, answer.skipped, answer.patches, [], answer.generation, answer.backend, answer.routes)
+            )
+            continue
+        column = next(ran)
+        results = [rank_results[column] for rank_results in per_rank]
         reasons = {r.skipped for r in results}
         if len(reasons) != 1:
             raise RuntimeError(f"{case.name}: ranks disagree on whether the pin can run it: {reasons}")
