@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import functools
+import sys
+from types import ModuleType
 
 from mcore_compat.adapters.base import DYNAMIC_CP_SCHEDULERS, PackingAdapter
 from mcore_compat.adapters.dev import DevG2Adapter, DevG4Adapter, DevG5Adapter, DevG7Adapter
@@ -10,6 +11,7 @@ from mcore_compat.adapters.main import MainM3Adapter
 from mcore_compat.adapters.portable import PortableAdapter
 from mcore_compat.adapters.unsupported import UnsupportedAdapter
 from mcore_compat.capabilities import Capabilities, detect
+from mcore_compat.generations import SCHEDULER_MODULE
 
 ADAPTERS: tuple[type[PackingAdapter], ...] = (
     DevG7Adapter,
@@ -28,15 +30,29 @@ def select_adapter(capabilities: Capabilities) -> PackingAdapter:
     return cls(capabilities)
 
 
-@functools.cache
+_chosen: tuple[ModuleType | None, PackingAdapter] | None = None
+
+
 def adapter() -> PackingAdapter:
-    """The adapter for the installed Megatron-Core, chosen once."""
-    return select_adapter(detect())
+    """The adapter for the installed Megatron-Core, chosen once.
+
+    The choice is keyed on the scheduler module object in ``sys.modules``: a different one (a stand-in a
+    test installed, or its removal) is detected afresh instead of being answered from the cache.
+    """
+    global _chosen
+    if _chosen is not None and sys.modules.get(SCHEDULER_MODULE) is _chosen[0]:
+        return _chosen[1]
+    if _chosen is not None:
+        detect.cache_clear()
+    chosen = select_adapter(detect())
+    _chosen = (sys.modules.get(SCHEDULER_MODULE), chosen)
+    return chosen
 
 
 def reset() -> None:
     """Forget the cached detection and adapter (tests that swap Megatron-Core use this)."""
-    adapter.cache_clear()
+    global _chosen
+    _chosen = None
     detect.cache_clear()
 
 
