@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from mcore_compat.capabilities import Capabilities, route_prebuilder
+from mcore_compat.errors import PackingConfigError, UnsupportedPinError
 from mcore_compat.generations import (
     DYNAMIC_CP_PIN,
     FETCH_FUNCTION,
@@ -22,12 +23,10 @@ from mcore_compat.generations import (
     SWITCH_SCRIPT,
     WRAP_FUNCTION,
 )
+from mcore_compat.results import PackedBatch, SchedulerApi, WrapResult
 
 DYNAMIC_CP_SCHEDULERS: tuple[str, ...] = ("default_dynamic_cp",)
 FETCH_ARITY = 7
-
-PackedBatch = tuple[Any, Any, Any, None, Any, Any, Any]
-WrapResult = tuple[Any, int, float, float]
 
 
 def switch_hint(pin: str) -> str:
@@ -103,7 +102,7 @@ class PackingAdapter(ABC):
             )
         for fn, params in ((WRAP_FUNCTION, caps.wrap_params), (FETCH_FUNCTION, caps.fetch_params)):
             if "pg_collection" not in (params or ()):
-                return self.refusal(f"{fn} does not accept pg_collection", pin=pin)
+                return self.refusal(f"{fn} does not accept pg_collection (a ProcessGroupCollection)", pin=pin)
         if dynamic_cp:
             for keyword in ("dynamic_cp", "config"):
                 if keyword not in (caps.fetch_params or ()):
@@ -122,16 +121,19 @@ class PackingAdapter(ABC):
         return scheduler in self.capabilities.scheduler_names
 
     def require_runnable(self, model_config: Any) -> str:
-        """Return the configured scheduler name, or raise ``ValueError`` before any collective."""
+        """Return the configured scheduler name, or raise before any collective.
+
+        Raises ``PackingConfigError`` without a scheduler name and ``UnsupportedPinError`` with the probe's refusal.
+        """
         scheduler = getattr(model_config, "sequence_packing_scheduler", None)
         if not isinstance(scheduler, str):
-            raise ValueError(
+            raise PackingConfigError(
                 f"model_config.sequence_packing_scheduler={scheduler!r} is not a scheduler name; "
                 "set it to 'dp_balanced' (or 'default_dynamic_cp' with dynamic context parallelism)"
             )
         reason = self.probe(scheduler, dynamic_cp=self.dynamic_cp_enabled(model_config))
         if reason is not None:
-            raise ValueError(reason)
+            raise UnsupportedPinError(reason)
         return scheduler
 
     # -- config reading -------------------------------------------------------------------------
@@ -167,6 +169,14 @@ class PackingAdapter(ABC):
 
     # -- the three steps ------------------------------------------------------------------------
 
+    def scheduler_api(self) -> SchedulerApi:
+        """``(wrap_data_iterator, get_batch_on_this_rank_for_sequence_packing)`` as this pin runs them.
+
+        Called in Megatron-Core's shape (what ``packing._scheduler_api`` returns); raises
+        ``UnsupportedPinError`` where no backend can pack on this pin.
+        """
+        raise UnsupportedPinError(self.probe("dp_balanced") or self.refusal("no backend of mcore-compat runs here"))
+
     @abstractmethod
     def wrap(self, data_iterator: Any, model_config: Any, num_microbatches: int, pg_collection: Any) -> WrapResult:
         """Pack one step's global batch; see ``packing.wrap_data_iterator_for_global_batch_packing``."""
@@ -177,15 +187,22 @@ class PackingAdapter(ABC):
     ) -> PackedBatch:
         """Fetch one packed microbatch as the 7-tuple; see ``packing.get_batch_for_global_batch_packing``."""
 
-    def finalize(self, packed_seq_params: Any, pg_collection: Any) -> Any:
-        """Bind the CP group (dynamic if attached, else ``pg_collection.cp``) and prebuild the THD route."""
+    def finalize(
+        self, packed_seq_params: Any, pg_collection: Any, *, route_prebuilder: RoutePrebuilder | None = None
+    ) -> Any:
+        """Bind the CP group (dynamic if attached, else ``pg_collection.cp``) and prebuild the THD route.
+
+        ``route_prebuilder`` (``packing._thd_cp_route_prebuilder``) is asked for the prebuild at call time;
+        without it the pin's own is used.
+        """
         if packed_seq_params is None:
             return None
         cp_group = self._resolve_cp_group(pg_collection.cp, packed_seq_params)
         if "cp_group" in self.capabilities.packed_seq_params_fields:
             packed_seq_params.cp_group = cp_group
-        if self._prebuild_route is not None:
-            self._prebuild_route(packed_seq_params, cp_group)
+        prebuild_route = self._prebuild_route if route_prebuilder is None else route_prebuilder()
+        if prebuild_route is not None:
+            prebuild_route(packed_seq_params, cp_group)
         return packed_seq_params
 
     def _mcore_resolve_cp_group(self) -> Callable[[Any, Any], Any]:
@@ -201,6 +218,7 @@ def resolve_cp_group(static_cp_group: Any, packed_seq_params: Any = None) -> Any
 
 
 MtpProbe = Callable[[Any, int | None], bool]
+RoutePrebuilder = Callable[[], Callable[..., None] | None]
 
 
 def mtp_probe() -> MtpProbe:

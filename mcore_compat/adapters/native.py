@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 from mcore_compat.adapters.base import FETCH_ARITY, PackedBatch, PackingAdapter, WrapResult
 from mcore_compat.capabilities import Capabilities
 from mcore_compat.generations import FETCH_FUNCTION, SCHEDULER_MODULE, WRAP_FUNCTION
+from mcore_compat.results import SchedulerApi
 
 
 class NativeSchedulerAdapter(PackingAdapter):
@@ -32,13 +33,16 @@ class NativeSchedulerAdapter(PackingAdapter):
     def probe(self, scheduler: str, *, dynamic_cp: bool = False) -> str | None:
         return self.missing_native_api(scheduler, dynamic_cp) or self.scheduler_mismatch(scheduler, dynamic_cp)
 
+    def scheduler_api(self) -> SchedulerApi:
+        return self._wrap, self._fetch
+
     def wrap(self, data_iterator: Any, model_config: Any, num_microbatches: int, pg_collection: Any) -> WrapResult:
         self.require_runnable(model_config)
         iterator = data_iterator if self.rank_loads_data(pg_collection) else no_data(model_config)
         packed, count, seqlen_sum, seqlen_squared_sum = self._wrap(
             iterator, model_config, num_microbatches, pg_collection=pg_collection
         )
-        return packed, int(count), float(seqlen_sum), float(seqlen_squared_sum)
+        return WrapResult(packed, int(count), float(seqlen_sum), float(seqlen_squared_sum))
 
     def get_batch(
         self, data_iterator: Any, model_config: Any, *, pg_collection: Any, vp_stage: int | None
@@ -55,7 +59,7 @@ class NativeSchedulerAdapter(PackingAdapter):
             kwargs["config"] = model_config
         iterator = data_iterator if pg_collection.tp.rank() == 0 else None
         batch = tuple(self._fetch(iterator, **kwargs))
-        return batch + (None,) * (FETCH_ARITY - len(batch))  # type: ignore[return-value]
+        return PackedBatch(*batch, *(None,) * (FETCH_ARITY - len(batch)))
 
 
 def no_data(model_config: Any) -> list[None] | None:

@@ -31,8 +31,10 @@ import torch
 
 from mcore_compat.adapters.base import DYNAMIC_CP_SCHEDULERS, PackedBatch, PackingAdapter, WrapResult
 from mcore_compat.capabilities import Capabilities
+from mcore_compat.errors import PackingConfigError
 from mcore_compat.generations import DYNAMIC_CP_PIN
 from mcore_compat.portable import exchange
+from mcore_compat.portable.entry_points import entry_points
 from mcore_compat.portable.errors import (
     OK,
     SAMPLE_KEYS,
@@ -53,6 +55,7 @@ from mcore_compat.portable.microbatch import (
 )
 from mcore_compat.portable.samples import LocalBatch, read_step
 from mcore_compat.portable.schedule import judge, plan_dp_balanced, step_table
+from mcore_compat.results import SchedulerApi
 
 SCHEDULER = "dp_balanced"
 _STEP_WIDTH = VERDICT_WIDTH + 3  # verdict, microbatch count, seqlen sum, seqlen squared sum
@@ -89,22 +92,22 @@ def read_settings(model_config: Any) -> Settings:
     """Read and check the config (identical on every rank, so raising here cannot strand a peer)."""
     capacity = getattr(model_config, "max_seqlen_per_dp_cp_rank", None)
     if not _positive_int(capacity):
-        raise ValueError(
+        raise PackingConfigError(
             f"model_config.max_seqlen_per_dp_cp_rank={capacity!r}: set it to the positive number of padded "
             "tokens one DP x CP rank holds per microbatch (bins hold that times the context-parallel size)"
         )
     if getattr(model_config, "pad_packed_seq_alignment", None) is not None:
-        raise ValueError(
+        raise PackingConfigError(
             f"model_config.pad_packed_seq_alignment={model_config.pad_packed_seq_alignment!r}: THD tail padding "
             "is not implemented by the portable backend; leave it None (pad samples in the dataset instead)"
         )
     max_seqs = getattr(model_config, "thd_max_packed_sequences", None)
     if max_seqs is not None and not _positive_int(max_seqs):
-        raise ValueError(f"model_config.thd_max_packed_sequences={max_seqs!r}: use None or a positive int")
+        raise PackingConfigError(f"model_config.thd_max_packed_sequences={max_seqs!r}: use None or a positive int")
     vpp_size = getattr(model_config, "virtual_pipeline_model_parallel_size", None)
     vpp_group = getattr(model_config, "microbatch_group_size_per_vp_stage", None) if vpp_size is not None else None
     if vpp_group is not None and not _positive_int(vpp_group):
-        raise ValueError(f"model_config.microbatch_group_size_per_vp_stage={vpp_group!r}: use a positive int")
+        raise PackingConfigError(f"model_config.microbatch_group_size_per_vp_stage={vpp_group!r}: use a positive int")
     return Settings(capacity, vpp_size, vpp_group, max_seqs)
 
 
@@ -155,6 +158,9 @@ class PortableAdapter(PackingAdapter):
             pin=DYNAMIC_CP_PIN,
         )
 
+    def scheduler_api(self) -> SchedulerApi:
+        return entry_points(self)
+
     # -- wrap: one step -------------------------------------------------------------------------
 
     def wrap(self, data_iterator: Any, model_config: Any, num_microbatches: int, pg_collection: Any) -> WrapResult:
@@ -166,7 +172,9 @@ class PortableAdapter(PackingAdapter):
             words = exchange.broadcast_fixed(None, _STEP_WIDTH, tp, device)
             raise_if_bad(words[:VERDICT_WIDTH])
             count, seqlen_sum, squared_sum = words[VERDICT_WIDTH:]
-            return self._iterators(None, pg_collection, settings), count, float(seqlen_sum), float(squared_sum)
+            return WrapResult(
+                self._iterators(None, pg_collection, settings), count, float(seqlen_sum), float(squared_sum)
+            )
         step = None
         if self.rank_loads_data(pg_collection):
             step = self._pack_step(
@@ -180,7 +188,7 @@ class PortableAdapter(PackingAdapter):
         )
         raise_if_bad(step.verdict, step.cause)
         iterators = self._iterators(step.microbatches, pg_collection, settings)
-        return iterators, step.count, float(step.seqlen_sum), float(step.seqlen_squared_sum)
+        return WrapResult(iterators, step.count, float(step.seqlen_sum), float(step.seqlen_squared_sum))
 
     def _every_stage_loads(self) -> bool:
         info = self.capabilities.generation_info
@@ -309,7 +317,7 @@ class PortableAdapter(PackingAdapter):
         def row(key: str) -> torch.Tensor | None:
             return view[key].reshape(1, -1) if key in keys else None
 
-        return (
+        return PackedBatch(
             row("tokens"),
             row("labels"),
             row("loss_mask"),
