@@ -35,3 +35,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return demo.run()
     raise AssertionError(args.command)
+
+
+__all__ = [
+    "build_parser",
+    "main",
+]

@@ -142,3 +142,20 @@ CP_INIT_KEYWORDS = ("hybrid_context_parallel", "dynamic_context_parallel", "min_
 SWITCH_SCRIPT = "scripts/switch_mcore.sh"
 DYNAMIC_CP_PIN = "dev"
 NATIVE_SCHEDULER_PINS = ("main", "dev")
+
+
+__all__ = [
+    "CP_INIT_KEYWORDS",
+    "DYNAMIC_CP_GROUP_GETTERS",
+    "DYNAMIC_CP_PIN",
+    "FETCH_FUNCTION",
+    "GENERATIONS",
+    "Generation",
+    "NATIVE_SCHEDULER_PINS",
+    "PACKING_CONFIG_FIELDS",
+    "PipelineDataStages",
+    "SCHEDULER_MODULE",
+    "SCHEDULER_UTILS_MODULE",
+    "SWITCH_SCRIPT",
+    "WRAP_FUNCTION",
+]

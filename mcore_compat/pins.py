@@ -411,3 +411,32 @@ def main(action: str) -> int:
     except PinError as exc:
         print(f"mcore-compat pin: {exc}", file=sys.stderr)
         return 2
+
+
+__all__ = [
+    "MODES",
+    "PINS_FILE",
+    "Pin",
+    "PinError",
+    "PinTable",
+    "PythonSeries",
+    "Runner",
+    "SESSION_PREFIX",
+    "SHARED_SOURCE_VARIABLE",
+    "SourceUnavailable",
+    "check_python",
+    "find_checkout",
+    "format_list",
+    "format_status",
+    "git_head",
+    "git_reachable",
+    "install_plan",
+    "installed_version",
+    "load",
+    "main",
+    "match_installed",
+    "parse",
+    "resolve_source",
+    "status_report",
+    "switch",
+]

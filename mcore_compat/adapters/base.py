@@ -238,3 +238,18 @@ def mtp_probe() -> MtpProbe:
             vp_stage=vp_stage,
         )
     )
+
+
+__all__ = [
+    "DYNAMIC_CP_SCHEDULERS",
+    "FETCH_ARITY",
+    "MtpProbe",
+    "PackedBatch",
+    "PackingAdapter",
+    "RoutePrebuilder",
+    "SchedulerApi",
+    "WrapResult",
+    "mtp_probe",
+    "resolve_cp_group",
+    "switch_hint",
+]

@@ -58,3 +58,11 @@ class DevG7Adapter(DevG5Adapter):
     generations = ("G7", "G8")
     covers = "Megatron-LM dev 3f49de20de (2026-08-19, #6387) .. d48bd6be0a (dev tip)"
     has_cp_layout_routes = True
+
+
+__all__ = [
+    "DevG2Adapter",
+    "DevG4Adapter",
+    "DevG5Adapter",
+    "DevG7Adapter",
+]

@@ -25,3 +25,8 @@ class MainM3Adapter(NativeSchedulerAdapter):
             and capabilities.has_native_scheduler
             and cls.takes_fetch_keywords(capabilities)
         )
+
+
+__all__ = [
+    "MainM3Adapter",
+]

@@ -69,3 +69,9 @@ def no_data(model_config: Any) -> list[None] | None:
     """
     vpp_size = getattr(model_config, "virtual_pipeline_model_parallel_size", None)
     return [None] * vpp_size if isinstance(vpp_size, int) and vpp_size > 1 else None
+
+
+__all__ = [
+    "NativeSchedulerAdapter",
+    "no_data",
+]

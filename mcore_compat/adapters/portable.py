@@ -384,3 +384,12 @@ def _decode_view(
         view[key] = exchange.from_words(words[cursor : cursor + local_tokens], key)
         cursor += local_tokens
     return verdict, view
+
+
+__all__ = [
+    "PortableAdapter",
+    "SCHEDULER",
+    "Settings",
+    "Step",
+    "read_settings",
+]

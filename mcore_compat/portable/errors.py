@@ -216,3 +216,17 @@ def raise_if_bad(verdict: Sequence[int], cause: BaseException | None = None) -> 
     if error.problem is Problem.EXHAUSTED and int(verdict[5]):
         raise StopIteration(str(error)) from cause
     raise error from cause
+
+
+__all__ = [
+    "DTYPES",
+    "OK",
+    "PortablePackingError",
+    "Problem",
+    "SAMPLE_KEYS",
+    "VERDICT_WIDTH",
+    "describe",
+    "dtype_index",
+    "raise_if_bad",
+    "record",
+]
