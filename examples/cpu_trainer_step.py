@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import mcore_compat
 import packing
 from mcore_compat.testing import cpu_patches, launch, locate_mcore
 from mcore_compat.testing.runner import mpu_pg_collection
@@ -163,7 +164,9 @@ def rank_main(rank: int, world_size: int, steps: int) -> list[str]:
                 )
                 return model(tokens, labels), partial(loss_func, loss_mask)
 
-            lines = []
+            chosen = mcore_compat.adapter()
+            lines = [f"Megatron-Core {chosen.capabilities.describe()}: {chosen.name} ({chosen.backend} backend)"]
+            lines = lines if rank == 0 else []
             for step in range(steps):
                 expected_loss, expected_grads = reference(model, step, multiple)
                 raw = iter(samples(step, pg_collection.dp.rank(), multiple))
