@@ -321,3 +321,10 @@ def detect() -> Capabilities:
         init_cp_keywords=tuple(k for k in CP_INIT_KEYWORDS if k in init_params),
         packing_config_fields=tuple(f.name for f in dataclasses.fields(mpc) if f.name in PACKING_CONFIG_FIELDS),
     )
+
+
+__all__ = [
+    "Capabilities",
+    "detect",
+    "route_prebuilder",
+]

@@ -104,3 +104,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return demo.run(started=started)
     raise AssertionError(args.command)
+
+
+__all__ = [
+    "build_parser",
+    "main",
+]

@@ -72,3 +72,10 @@ def run(*, timeout: float = 300.0, started: float | None = None) -> int:
     errors = result.errors()
     print(format_run(result, errors))
     return 1 if errors else 0
+
+
+__all__ = [
+    "DEMO_CASE",
+    "format_run",
+    "run",
+]

@@ -190,3 +190,11 @@ def run(as_json: bool, verbose: bool = False) -> int:
     data = report()
     print(json.dumps(data, indent=2) if as_json else format_report(data, verbose=verbose))
     return 0 if data["runnable"] else 1
+
+
+__all__ = [
+    "BASE_SCHEDULERS",
+    "format_report",
+    "report",
+    "run",
+]

@@ -30,7 +30,9 @@ model takes) falls back to ``dataset.seq_length`` and vice versa; at least one m
 When packing is on and every rule holds, validation writes ``model.sequence_packing_scheduler``
 (when unset: ``dp_balanced``, or ``default_dynamic_cp`` under dynamic CP) and
 ``dataset.global_batch_packing_pad_to_multiple_of``. On a violation it writes nothing and raises
-``ValueError`` naming the field, its value and the fix.
+:class:`~packing.types.PackingConfigError` naming the field, its value and the fix, or
+:class:`~packing.types.UnsupportedPinError` (the probe's refusal) when the pinned Megatron-Core cannot run
+the configured scheduler; both subclass ``ValueError``.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import math
 from typing import Any, NamedTuple
 
 import packing as facade
+from mcore_compat.errors import PackingConfigError, UnsupportedPinError
 from packing.global_batch import REQUIRED_SAMPLE_KEYS, alignment_multiple
 
 __all__ = [
@@ -102,8 +105,8 @@ def _get(cfg: Any, field: str) -> Any:
     return getattr(getattr(cfg, part, None), name, CONFIG_DEFAULTS[field])
 
 
-def _invalid(field: str, value: Any, fix: str) -> ValueError:
-    return ValueError(f"{field}={value!r}: {fix}")
+def _invalid(field: str, value: Any, fix: str) -> PackingConfigError:
+    return PackingConfigError(f"{field}={value!r}: {fix}")
 
 
 def _is_positive_int(value: Any) -> bool:
@@ -124,7 +127,9 @@ def _is_power_of_two(n: int) -> bool:
 def _check_model(cfg: Any) -> None:
     model = getattr(cfg, "model", None)
     if model is None:
-        raise ValueError("cfg.model is missing: pass a ConfigContainer-like object with .model and .dataset parts")
+        raise PackingConfigError(
+            "cfg.model is missing: pass a ConfigContainer-like object with .model and .dataset parts"
+        )
     scheduler = _get(cfg, "model.sequence_packing_scheduler")
     if scheduler is not None and not isinstance(scheduler, str):
         raise _invalid(
@@ -305,6 +310,9 @@ def validate_global_batch_packing(cfg: Any) -> bool:
 
     ``dataset.enable_global_batch_packing`` drives the scheduler: when it is off, only a stray
     ``model.sequence_packing_scheduler`` is an error. The pinned Megatron-Core is probed last.
+    ``cfg`` is shaped like Megatron-Bridge's ``ConfigContainer`` (see the module docstring).
+
+    Raises ``PackingConfigError`` for a broken rule and ``UnsupportedPinError`` when the probe refuses.
     """
     scheduler = _get(cfg, "model.sequence_packing_scheduler")
     if not _get(cfg, "dataset.enable_global_batch_packing"):
@@ -350,7 +358,7 @@ def validate_global_batch_packing(cfg: Any) -> bool:
         scheduler = facade.DYNAMIC_CP_SCHEDULERS[0] if dynamic_cp else STATIC_CP_SCHEDULER
     reason = facade.probe_global_batch_packing_support(scheduler, dynamic_cp=dynamic_cp)
     if reason is not None:
-        raise ValueError(
+        raise UnsupportedPinError(
             f"model.sequence_packing_scheduler={scheduler!r} cannot run on the pinned Megatron-Core: {reason}"
         )
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-import functools
+import sys
+from types import ModuleType
 
 from mcore_compat.adapters.base import DYNAMIC_CP_SCHEDULERS, STATIC_SCHEDULERS, PackingAdapter
 from mcore_compat.adapters.native import NativeSchedulerAdapter
 from mcore_compat.adapters.portable import PortableAdapter
 from mcore_compat.adapters.unsupported import UnsupportedAdapter
 from mcore_compat.capabilities import Capabilities, detect
+from mcore_compat.generations import SCHEDULER_MODULE
 
 ADAPTERS: tuple[type[PackingAdapter], ...] = (NativeSchedulerAdapter, PortableAdapter, UnsupportedAdapter)
 """Every adapter, in the order an MCore that matches no row of the generation table is offered to them."""
@@ -26,15 +28,29 @@ def select_adapter(capabilities: Capabilities) -> PackingAdapter:
     return cls(capabilities)
 
 
-@functools.cache
+_chosen: tuple[ModuleType | None, PackingAdapter] | None = None
+
+
 def adapter() -> PackingAdapter:
-    """The adapter for the installed Megatron-Core, chosen once."""
-    return select_adapter(detect())
+    """The adapter for the installed Megatron-Core, chosen once.
+
+    The choice is keyed on the scheduler module object in ``sys.modules``: a different one (a stand-in a
+    test installed, or its removal) is detected afresh instead of being answered from the cache.
+    """
+    global _chosen
+    if _chosen is not None and sys.modules.get(SCHEDULER_MODULE) is _chosen[0]:
+        return _chosen[1]
+    if _chosen is not None:
+        detect.cache_clear()
+    chosen = select_adapter(detect())
+    _chosen = (sys.modules.get(SCHEDULER_MODULE), chosen)
+    return chosen
 
 
 def reset() -> None:
     """Forget the cached detection and adapter (tests that swap Megatron-Core use this)."""
-    adapter.cache_clear()
+    global _chosen
+    _chosen = None
     detect.cache_clear()
 
 

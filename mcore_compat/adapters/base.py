@@ -16,25 +16,14 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from mcore_compat.capabilities import Capabilities, route_prebuilder
+from mcore_compat.errors import PackingConfigError, UnsupportedPinError
 from mcore_compat.generations import FETCH_FUNCTION, GENERATIONS, SCHEDULER_MODULE, WRAP_FUNCTION, Generation
 from mcore_compat.pins import load as load_pins
-
-__all__ = [
-    "DYNAMIC_CP_SCHEDULERS",
-    "STATIC_SCHEDULERS",
-    "PackedBatch",
-    "PackingAdapter",
-    "WrapResult",
-    "pin_hint",
-    "resolve_cp_group",
-]
+from mcore_compat.results import PackedBatch, SchedulerApi, WrapResult
 
 STATIC_SCHEDULERS: tuple[str, ...] = ("dp_balanced",)
 DYNAMIC_CP_SCHEDULERS: tuple[str, ...] = ("default_dynamic_cp",)
 FETCH_ARITY = 7
-
-PackedBatch = tuple[Any, Any, Any, None, Any, Any, Any]
-WrapResult = tuple[Any, int, float, float]
 
 
 def pin_hint(names: list[str]) -> str:
@@ -181,10 +170,13 @@ class PackingAdapter(ABC):
         return scheduler in self.capabilities.scheduler_names
 
     def require_runnable(self, model_config: Any) -> str:
-        """Return the configured scheduler name, or raise ``ValueError`` before any collective."""
+        """Return the configured scheduler name, or raise before any collective.
+
+        Raises ``PackingConfigError`` without a scheduler name and ``UnsupportedPinError`` with the probe's refusal.
+        """
         scheduler = getattr(model_config, "sequence_packing_scheduler", None)
         if not isinstance(scheduler, str):
-            raise ValueError(
+            raise PackingConfigError(
                 f"model_config.sequence_packing_scheduler={scheduler!r} is not a scheduler name; "
                 "set it to 'dp_balanced' (or 'default_dynamic_cp' with dynamic context parallelism)"
             )
@@ -192,7 +184,7 @@ class PackingAdapter(ABC):
             model_config
         )
         if reason is not None:
-            raise ValueError(reason)
+            raise UnsupportedPinError(reason)
         return scheduler
 
     def config_refusal(self, model_config: Any) -> str | None:
@@ -239,6 +231,19 @@ class PackingAdapter(ABC):
 
     # -- the three steps ------------------------------------------------------------------------
 
+    def scheduler_api(self) -> SchedulerApi:
+        """``(wrap_data_iterator, get_batch_on_this_rank_for_sequence_packing)`` as this pin runs them.
+
+        Called in Megatron-Core's shape (what ``packing._scheduler_api`` returns); raises
+        ``UnsupportedPinError`` where no backend can pack on this pin.
+        """
+        raise UnsupportedPinError(
+            self.probe("dp_balanced")
+            or self.refusal(
+                "no backend of mcore-compat runs here", "Install a supported pin (`mcore-compat pin list`)."
+            )
+        )
+
     @abstractmethod
     def wrap(self, data_iterator: Any, model_config: Any, num_microbatches: int, pg_collection: Any) -> WrapResult:
         """Pack one step's global batch; see ``packing.wrap_data_iterator_for_global_batch_packing``."""
@@ -249,14 +254,17 @@ class PackingAdapter(ABC):
     ) -> PackedBatch:
         """Fetch one packed microbatch as the 7-tuple; see ``packing.get_batch_for_global_batch_packing``."""
 
-    def finalize(self, packed_seq_params: Any, pg_collection: Any) -> Any:
+    def finalize(
+        self, packed_seq_params: Any, pg_collection: Any, *, route_prebuilder: RoutePrebuilder | None = None
+    ) -> Any:
         """Bind the microbatch's CP group where attention reads it, and prebuild the THD route where the pin has one.
 
         Where Transformer Engine's attention wrapper treats any bound ``cp_group`` as a per-microbatch group
         (releases 0.16-0.19, main, dev before the dynamic-CP rename: ``bound_cp_group_switches_attention``),
         only an attached dynamic group stays bound and the static group is never bound, so attention runs on
         the model's own CP groups. Elsewhere (dev from the rename on) the resolved group is bound: the attached
-        dynamic group, else ``pg_collection.cp``.
+        dynamic group, else ``pg_collection.cp``. ``route_prebuilder`` (``packing._thd_cp_route_prebuilder``)
+        is asked for the prebuild at call time; without it the pin's own is used.
         """
         if packed_seq_params is None:
             return None
@@ -264,8 +272,9 @@ class PackingAdapter(ABC):
         fields = self.capabilities.packed_seq_params_fields
         if "cp_group" in fields and not self.facts.bound_cp_group_switches_attention:
             packed_seq_params.cp_group = cp_group
-        if self._prebuild_route is not None:
-            self._prebuild_route(packed_seq_params, cp_group)
+        prebuild_route = self._prebuild_route if route_prebuilder is None else route_prebuilder()
+        if prebuild_route is not None:
+            prebuild_route(packed_seq_params, cp_group)
         return packed_seq_params
 
     def _mcore_resolve_cp_group(self) -> Callable[[Any, Any], Any]:
@@ -281,6 +290,7 @@ def resolve_cp_group(static_cp_group: Any, packed_seq_params: Any = None) -> Any
 
 
 MtpProbe = Callable[[Any, int | None], bool]
+RoutePrebuilder = Callable[[], Callable[..., None] | None]
 
 
 def mtp_probe() -> MtpProbe:
@@ -300,3 +310,20 @@ def mtp_probe() -> MtpProbe:
             vp_stage=vp_stage,
         )
     )
+
+
+__all__ = [
+    "DYNAMIC_CP_SCHEDULERS",
+    "FETCH_ARITY",
+    "MtpProbe",
+    "PackedBatch",
+    "PackingAdapter",
+    "RoutePrebuilder",
+    "SchedulerApi",
+    "WrapResult",
+    "STATIC_SCHEDULERS",
+    "mtp_probe",
+    "pin_hint",
+    "pins_running",
+    "resolve_cp_group",
+]

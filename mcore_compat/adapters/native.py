@@ -8,6 +8,7 @@ from typing import Any
 from mcore_compat.adapters.base import FETCH_ARITY, PackedBatch, PackingAdapter, WrapResult
 from mcore_compat.capabilities import Capabilities
 from mcore_compat.generations import FETCH_FUNCTION, SCHEDULER_MODULE, WRAP_FUNCTION
+from mcore_compat.results import SchedulerApi
 
 
 class NativeSchedulerAdapter(PackingAdapter):
@@ -42,13 +43,16 @@ class NativeSchedulerAdapter(PackingAdapter):
             or self.missing_native_api(scheduler, dynamic_cp)
         )
 
+    def scheduler_api(self) -> SchedulerApi:
+        return self._wrap, self._fetch
+
     def wrap(self, data_iterator: Any, model_config: Any, num_microbatches: int, pg_collection: Any) -> WrapResult:
         self.require_runnable(model_config)
         iterator = data_iterator if self.rank_loads_data(pg_collection) else no_data(model_config)
         packed, count, seqlen_sum, seqlen_squared_sum = self._wrap(
             iterator, model_config, num_microbatches, pg_collection=pg_collection
         )
-        return packed, int(count), float(seqlen_sum), float(seqlen_squared_sum)
+        return WrapResult(packed, int(count), float(seqlen_sum), float(seqlen_squared_sum))
 
     def get_batch(
         self, data_iterator: Any, model_config: Any, *, pg_collection: Any, vp_stage: int | None
@@ -65,7 +69,7 @@ class NativeSchedulerAdapter(PackingAdapter):
             kwargs["config"] = model_config
         iterator = data_iterator if pg_collection.tp.rank() == 0 else None
         batch = tuple(self._fetch(iterator, **kwargs))
-        return batch + (None,) * (FETCH_ARITY - len(batch))  # type: ignore[return-value]
+        return PackedBatch(*batch, *(None,) * (FETCH_ARITY - len(batch)))
 
 
 def no_data(model_config: Any) -> list[None] | None:
@@ -75,3 +79,9 @@ def no_data(model_config: Any) -> list[None] | None:
     """
     vpp_size = getattr(model_config, "virtual_pipeline_model_parallel_size", None)
     return [None] * vpp_size if isinstance(vpp_size, int) and vpp_size > 1 else None
+
+
+__all__ = [
+    "NativeSchedulerAdapter",
+    "no_data",
+]

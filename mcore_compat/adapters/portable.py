@@ -31,7 +31,9 @@ import torch
 
 from mcore_compat.adapters.base import PackedBatch, PackingAdapter, WrapResult
 from mcore_compat.capabilities import Capabilities
+from mcore_compat.errors import PackingConfigError
 from mcore_compat.portable import exchange
+from mcore_compat.portable.entry_points import entry_points
 from mcore_compat.portable.errors import (
     OK,
     SAMPLE_KEYS,
@@ -52,6 +54,7 @@ from mcore_compat.portable.microbatch import (
 )
 from mcore_compat.portable.samples import LocalBatch, read_step
 from mcore_compat.portable.schedule import judge, plan_dp_balanced, step_table
+from mcore_compat.results import SchedulerApi
 
 SCHEDULER = "dp_balanced"
 _STEP_WIDTH = VERDICT_WIDTH + 3  # verdict, microbatch count, seqlen sum, seqlen squared sum
@@ -88,22 +91,22 @@ def read_settings(model_config: Any) -> Settings:
     """Read and check the config (identical on every rank, so raising here cannot strand a peer)."""
     capacity = getattr(model_config, "max_seqlen_per_dp_cp_rank", None)
     if not _positive_int(capacity):
-        raise ValueError(
+        raise PackingConfigError(
             f"model_config.max_seqlen_per_dp_cp_rank={capacity!r}: set it to the positive number of padded "
             "tokens one DP x CP rank holds per microbatch (bins hold that times the context-parallel size)"
         )
     if getattr(model_config, "pad_packed_seq_alignment", None) is not None:
-        raise ValueError(
+        raise PackingConfigError(
             f"model_config.pad_packed_seq_alignment={model_config.pad_packed_seq_alignment!r}: THD tail padding "
             "is not implemented by the portable backend; leave it None (pad samples in the dataset instead)"
         )
     max_seqs = getattr(model_config, "thd_max_packed_sequences", None)
     if max_seqs is not None and not _positive_int(max_seqs):
-        raise ValueError(f"model_config.thd_max_packed_sequences={max_seqs!r}: use None or a positive int")
+        raise PackingConfigError(f"model_config.thd_max_packed_sequences={max_seqs!r}: use None or a positive int")
     vpp_size = getattr(model_config, "virtual_pipeline_model_parallel_size", None)
     vpp_group = getattr(model_config, "microbatch_group_size_per_vp_stage", None) if vpp_size is not None else None
     if vpp_group is not None and not _positive_int(vpp_group):
-        raise ValueError(f"model_config.microbatch_group_size_per_vp_stage={vpp_group!r}: use a positive int")
+        raise PackingConfigError(f"model_config.microbatch_group_size_per_vp_stage={vpp_group!r}: use a positive int")
     return Settings(cast(int, capacity), vpp_size, vpp_group, max_seqs)
 
 
@@ -150,6 +153,9 @@ class PortableAdapter(PackingAdapter):
             self.switch_remedy(scheduler, dynamic_cp, lambda row: row.runs_dynamic_cp_natively),
         )
 
+    def scheduler_api(self) -> SchedulerApi:
+        return entry_points(self)
+
     # -- wrap: one step -------------------------------------------------------------------------
 
     def wrap(self, data_iterator: Any, model_config: Any, num_microbatches: int, pg_collection: Any) -> WrapResult:
@@ -161,7 +167,9 @@ class PortableAdapter(PackingAdapter):
             words = exchange.broadcast_fixed(None, _STEP_WIDTH, tp, device)
             raise_if_bad(words[:VERDICT_WIDTH])
             count, seqlen_sum, squared_sum = words[VERDICT_WIDTH:]
-            return self._iterators(None, pg_collection, settings), count, float(seqlen_sum), float(squared_sum)
+            return WrapResult(
+                self._iterators(None, pg_collection, settings), count, float(seqlen_sum), float(squared_sum)
+            )
         step = None
         if self.rank_loads_data(pg_collection):
             step = self._pack_step(
@@ -175,7 +183,7 @@ class PortableAdapter(PackingAdapter):
         )
         raise_if_bad(step.verdict, step.cause)
         iterators = self._iterators(step.microbatches, pg_collection, settings)
-        return iterators, step.count, float(step.seqlen_sum), float(step.seqlen_squared_sum)
+        return WrapResult(iterators, step.count, float(step.seqlen_sum), float(step.seqlen_squared_sum))
 
     def _every_stage_loads(self) -> bool:
         return self.facts.pipeline_data_stages == "every"
@@ -303,7 +311,7 @@ class PortableAdapter(PackingAdapter):
         def row(key: str) -> torch.Tensor | None:
             return view[key].reshape(1, -1) if key in keys else None
 
-        return (
+        return PackedBatch(
             row("tokens"),
             row("labels"),
             row("loss_mask"),
@@ -370,3 +378,12 @@ def _decode_view(
         view[key] = exchange.from_words(words[cursor : cursor + local_tokens], key)
         cursor += local_tokens
     return verdict, view
+
+
+__all__ = [
+    "PortableAdapter",
+    "SCHEDULER",
+    "Settings",
+    "Step",
+    "read_settings",
+]

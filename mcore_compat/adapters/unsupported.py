@@ -41,3 +41,8 @@ class UnsupportedAdapter(PackingAdapter):
     ) -> PackedBatch:
         self.require_runnable(model_config)
         raise AssertionError("UnsupportedAdapter.probe never returns None")
+
+
+__all__ = [
+    "UnsupportedAdapter",
+]

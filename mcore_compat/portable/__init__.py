@@ -4,3 +4,5 @@
 holds the collectives, ``microbatch`` builds packed THD microbatches and CP views, and ``errors``
 encodes problems so every rank raises the same error.
 """
+
+__all__: list[str] = []

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
+from mcore_compat.errors import BadSampleError
+
 SAMPLE_KEYS: tuple[str, ...] = (
     "tokens",
     "labels",
@@ -197,7 +199,7 @@ def record(problem: Problem, rank: int = -1, sample: int = -1, a: int = 0, b: in
 OK: list[int] = record(Problem.NONE)
 
 
-class PortablePackingError(ValueError):
+class PortablePackingError(BadSampleError):
     """Bad packing input, raised with the same message on every rank of the step."""
 
     def __init__(self, verdict: Sequence[int]) -> None:
@@ -214,3 +216,17 @@ def raise_if_bad(verdict: Sequence[int], cause: BaseException | None = None) -> 
     if error.problem is Problem.EXHAUSTED and int(verdict[5]):
         raise StopIteration(str(error)) from cause
     raise error from cause
+
+
+__all__ = [
+    "DTYPES",
+    "OK",
+    "PortablePackingError",
+    "Problem",
+    "SAMPLE_KEYS",
+    "VERDICT_WIDTH",
+    "describe",
+    "dtype_index",
+    "raise_if_bad",
+    "record",
+]

@@ -173,3 +173,18 @@ def broadcast_buffer(buffer: torch.Tensor | None, group: dist.ProcessGroup, devi
         buffer = torch.empty(size, dtype=torch.int64, device=device)
     dist.broadcast(buffer, group_source(group), group=group)
     return buffer
+
+
+__all__ = [
+    "WORDS_PER_TOKEN",
+    "as_words",
+    "broadcast_buffer",
+    "broadcast_fixed",
+    "decode_fields",
+    "encode_fields",
+    "from_words",
+    "gather_lengths",
+    "group_device",
+    "group_source",
+    "reroute",
+]

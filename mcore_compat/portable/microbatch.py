@@ -90,3 +90,16 @@ def local_padding_mask(
     return local_view({"cu_seqlens": cu_seqlens, "cu_seqlens_padded": cu_seqlens_padded}, (), cp_size, cp_rank)[
         "padding_mask"
     ]
+
+
+__all__ = [
+    "INPUT_KEYS",
+    "METADATA_KEYS",
+    "TARGET_KEYS",
+    "bin_metadata",
+    "local_padding_mask",
+    "local_view",
+    "pack_bin",
+    "padding_mask",
+    "partition_index",
+]

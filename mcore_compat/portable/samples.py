@@ -160,3 +160,13 @@ def read_step(data_iterator: Iterator[Any] | None, num_microbatches: int, rank: 
             return LocalBatch([], verdict)
         samples.extend(found)
     return LocalBatch(samples, OK)
+
+
+__all__ = [
+    "LENGTH_FIELDS",
+    "LocalBatch",
+    "Sample",
+    "TOKEN_FIELDS",
+    "pull",
+    "read_step",
+]

@@ -160,3 +160,15 @@ def judge(reports: Sequence[ReportedLengths], *, capacity: int, dp_size: int, cp
             local = sample - table.first_id[dp_rank]
             return record(Problem.OVERSIZE, dp_rank, local, a=sample, b=length, c=capacity)
     return list(OK)
+
+
+__all__ = [
+    "BinPlan",
+    "ReportedLengths",
+    "StepTable",
+    "first_fit_in_order",
+    "judge",
+    "plan_dp_balanced",
+    "split_to_multiple",
+    "step_table",
+]

@@ -371,3 +371,15 @@ def check_steps(
     for step, step_ranks in enumerate(steps):
         errors += check_step(case, step, step_ranks, routes=routes, padding_mask=padding_mask)
     return errors
+
+
+__all__ = [
+    "CU_SEQLENS",
+    "EXAMPLES",
+    "TENSOR_DTYPES",
+    "check_microbatch",
+    "check_step",
+    "check_steps",
+    "expected_row",
+    "zigzag_offsets",
+]

@@ -210,3 +210,12 @@ def launch(
     finally:
         _kill(processes)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+__all__ = [
+    "DEFAULT_BYTECODE_CACHE",
+    "LaunchError",
+    "POLL_S",
+    "WORKER_ENV",
+    "launch",
+]

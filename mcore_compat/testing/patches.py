@@ -193,3 +193,10 @@ def cpu_patches(
         yield tuple(patcher.applied)
     finally:
         patcher.restore()
+
+
+__all__ = [
+    "PartitionFn",
+    "cpu_patches",
+    "transformer_engine_available",
+]

@@ -338,3 +338,16 @@ def run_cases(
         first = results[0]
         runs.append(CaseRun(case, skipped, first.patches, steps, first.generation, first.backend, first.routes))
     return runs
+
+
+__all__ = [
+    "CaseRun",
+    "MCORE_SRC_ENV",
+    "REQUIRED_PGS",
+    "contiguous_split",
+    "locate_mcore",
+    "model_config",
+    "mpu_pg_collection",
+    "run_case_on_rank",
+    "run_cases",
+]

@@ -132,3 +132,15 @@ class SampleSource(Iterator[Any]):
         group = self._items[self.pulls]
         self.pulls += 1
         return group[0].as_dict() if self._per_next == 1 else [s.as_dict() for s in group]
+
+
+__all__ = [
+    "PAD_TOKEN_ID",
+    "Sample",
+    "SampleSource",
+    "SampleSpec",
+    "TOKEN_BASE",
+    "alignment_multiple",
+    "decode",
+    "encode",
+]
