@@ -28,6 +28,11 @@ FETCH_ARITY = 7
 
 def pin_hint(names: list[str]) -> str:
     """The remedy that names the pins to switch to (``mcore-compat pin`` is on every installation's PATH)."""
+    if len(names) > 2:
+        return (
+            f"Switch the Megatron-Core pin, e.g. with `mcore-compat pin {names[-1]}` "
+            f"(`mcore-compat pin list`; {len(names)} pins run it: {', '.join(names)})."
+        )
     commands = " or ".join(f"`mcore-compat pin {name}`" for name in names)
     return f"Switch the Megatron-Core pin with {commands}."
 
@@ -144,7 +149,7 @@ class PackingAdapter(ABC):
         for fn, params in ((WRAP_FUNCTION, caps.wrap_params), (FETCH_FUNCTION, caps.fetch_params)):
             if "pg_collection" not in (params or ()):
                 return self.refusal(
-                    f"{fn} does not accept pg_collection",
+                    f"{fn} does not accept pg_collection (a ProcessGroupCollection)",
                     self.switch_remedy(scheduler, dynamic_cp, lambda row: row.native_scheduler),
                 )
         if not self._registered(scheduler):
