@@ -119,7 +119,7 @@ def plan_dp_balanced(
 def _deal_least_loaded(
     order: Sequence[int], lengths: Sequence[int], capacity: int, count: int, max_seqs: int | None
 ) -> list[list[int]] | None:
-    """Put each sample of ``order`` into the least loaded of ``count`` bins (ties: lowest bin); None if one does not fit.
+    """Put each sample of ``order`` into the least loaded of ``count`` bins (ties: lowest bin), else None.
 
     With ``order`` longest first and ``count <= len(order)``, the first ``count`` samples open one bin each.
     """
@@ -173,7 +173,7 @@ def _deal_best_fit(
 def _deal(
     order: Sequence[int], lengths: Sequence[int], capacity: int, count: int, max_seqs: int | None
 ) -> list[list[int]] | None:
-    """``count`` non-empty bins: least loaded (the most even loads), else best fit under the mean load, else best fit."""
+    """``count`` non-empty bins: least loaded (the most even loads), else best fit under the mean load or capacity."""
     mean = -(-sum(lengths[s] for s in order) // count)
     return (
         _deal_least_loaded(order, lengths, capacity, count, max_seqs)
@@ -195,10 +195,11 @@ def plan_balanced(
     The bin count ``K`` is the smallest multiple of ``dp_size * (vpp_group or 1)`` at or above
     ``ceil(sum(lengths) / capacity)`` (and the ``max_seqs`` bound) for which dealing the samples longest
     first (ties: lower index) fits every sample into ``K`` non-empty bins: onto the least loaded bin, or
-    where that fails, into the fullest bin that stays at or under the mean load, or under the capacity. ``K`` is searched by
-    bisection up to ``dp_balanced``'s count, whose plan is returned where no smaller-or-equal ``K`` works. Bins are
-    then sorted by load (ties: lowest member) and microbatch ``i`` gets bins ``i*dp .. i*dp+dp-1``, so
-    the DP ranks of one microbatch carry similar loads. Members of a bin are in sample order.
+    where that fails, into the fullest bin that stays at or under the mean load, else under the capacity.
+    ``K`` is searched by bisection up to ``dp_balanced``'s count, whose plan is returned where no
+    smaller-or-equal ``K`` works. Bins are then sorted by load (ties: lowest member) and microbatch ``i``
+    gets bins ``i*dp .. i*dp+dp-1``, so the DP ranks of one microbatch carry similar loads. Members of a
+    bin are in sample order.
     """
     if capacity < 1 or dp_size < 1:
         raise ValueError(f"capacity={capacity} and dp_size={dp_size} must be positive")
@@ -311,3 +312,23 @@ def judge(reports: Sequence[ReportedLengths], *, capacity: int, dp_size: int, cp
             local = sample - table.first_id[dp_rank]
             return record(Problem.OVERSIZE, dp_rank, local, a=sample, b=length, c=capacity)
     return list(OK)
+
+
+@dataclass(frozen=True)
+class Routes:
+    """Which global sample ids one DP rank sends to and receives from each DP rank, in global-id order."""
+
+    outgoing: tuple[tuple[int, ...], ...]
+    incoming: tuple[tuple[int, ...], ...]
+
+
+def routes(owner: Sequence[int], destination: Sequence[int], me: int, size: int) -> Routes:
+    """DP rank ``me``'s sends and receives, from each sample's source and target DP rank: one pass, O(n + size)."""
+    outgoing: list[list[int]] = [[] for _ in range(size)]
+    incoming: list[list[int]] = [[] for _ in range(size)]
+    for sample, (source, target) in enumerate(zip(owner, destination, strict=True)):
+        if source == me:
+            outgoing[target].append(sample)
+        if target == me:
+            incoming[source].append(sample)
+    return Routes(tuple(map(tuple, outgoing)), tuple(map(tuple, incoming)))
