@@ -1,4 +1,7 @@
-"""Portable backend: ``dp_balanced`` global-batch packing on pins whose Megatron-Core has no scheduler.
+"""Portable backend: ``dp_balanced`` (and ``balanced``) global-batch packing on ``torch.distributed``.
+
+It serves pins whose Megatron-Core has no scheduler, and on native pins the schedulers Megatron-Core's
+registry does not know (:data:`mcore_compat.portable.SCHEDULERS`, e.g. ``balanced``).
 
 Covers generations G0 (megatron-core 0.13.1-0.15.3), G1 (0.16.1-0.19.2, and dev 274e04d21f) and,
 on Megatron-LM ``main``, M1 (574e04ebf8) and M2 (c452d5a7ee): every ``megatron-core`` on the
@@ -32,7 +35,7 @@ import torch
 from mcore_compat.adapters.base import DYNAMIC_CP_SCHEDULERS, PackedBatch, PackingAdapter, WrapResult
 from mcore_compat.capabilities import Capabilities
 from mcore_compat.generations import DYNAMIC_CP_PIN
-from mcore_compat.portable import exchange
+from mcore_compat.portable import SCHEDULERS, exchange
 from mcore_compat.portable.errors import (
     OK,
     SAMPLE_KEYS,
@@ -52,7 +55,7 @@ from mcore_compat.portable.microbatch import (
     pack_bin,
 )
 from mcore_compat.portable.samples import LocalBatch, read_step
-from mcore_compat.portable.schedule import judge, plan_dp_balanced, step_table
+from mcore_compat.portable.schedule import PLANNERS, judge, step_table
 
 SCHEDULER = "dp_balanced"
 _STEP_WIDTH = VERDICT_WIDTH + 3  # verdict, microbatch count, seqlen sum, seqlen squared sum
@@ -61,12 +64,13 @@ _MICROBATCH_HEADER = VERDICT_WIDTH + 3  # verdict, len(cu_seqlens), local tokens
 
 @dataclass(frozen=True)
 class Settings:
-    """What ``dp_balanced`` reads from the model config."""
+    """What the portable schedulers read from the model config."""
 
     max_seqlen_per_dp_cp_rank: int
     vpp_size: int | None
     vpp_group: int | None
     max_seqs: int | None
+    scheduler: str = SCHEDULER
 
 
 @dataclass
@@ -105,7 +109,8 @@ def read_settings(model_config: Any) -> Settings:
     vpp_group = getattr(model_config, "microbatch_group_size_per_vp_stage", None) if vpp_size is not None else None
     if vpp_group is not None and not _positive_int(vpp_group):
         raise ValueError(f"model_config.microbatch_group_size_per_vp_stage={vpp_group!r}: use a positive int")
-    return Settings(capacity, vpp_size, vpp_group, max_seqs)
+    scheduler = getattr(model_config, "sequence_packing_scheduler", SCHEDULER)
+    return Settings(capacity, vpp_size, vpp_group, max_seqs, scheduler if scheduler in PLANNERS else SCHEDULER)
 
 
 class PortableAdapter(PackingAdapter):
@@ -141,16 +146,19 @@ class PortableAdapter(PackingAdapter):
         )
 
     def probe(self, scheduler: str, *, dynamic_cp: bool = False) -> str | None:
-        if not dynamic_cp and scheduler == SCHEDULER:
+        names = " or ".join(map(repr, SCHEDULERS))
+        if not dynamic_cp and scheduler in SCHEDULERS:
             return None
+        if dynamic_cp and scheduler in SCHEDULERS and scheduler != SCHEDULER:
+            return self.scheduler_mismatch(scheduler, dynamic_cp)
         if not dynamic_cp and scheduler not in DYNAMIC_CP_SCHEDULERS:
             return self.refusal(
                 f"sequence_packing_scheduler={scheduler!r} is not a Megatron-Core scheduler name; the portable "
-                f"backend runs {SCHEDULER!r} (exact spelling)"
+                f"backend runs {names} (exact spelling)"
             )
         what = "dynamic context parallelism" if dynamic_cp else f"scheduler {scheduler!r}"
         return self.refusal(
-            f"{what} needs Megatron-Core's native scheduler; the portable backend runs only {SCHEDULER!r} "
+            f"{what} needs Megatron-Core's native scheduler; the portable backend runs only {names} "
             "with static context parallelism",
             pin=DYNAMIC_CP_PIN,
         )
@@ -205,7 +213,7 @@ class PortableAdapter(PackingAdapter):
             return Step(verdict, [], cause=batch.cause)
         table = step_table(reports, cp.rank())
         try:
-            plan = plan_dp_balanced(
+            plan = PLANNERS[settings.scheduler](
                 table.padded,
                 capacity=capacity,
                 dp_size=dp.size(),
