@@ -7,8 +7,9 @@ from typing import Any
 
 from mcore_compat.adapters import DYNAMIC_CP_SCHEDULERS, adapter
 from mcore_compat.capabilities import detect
+from mcore_compat.portable import SCHEDULERS as PORTABLE_SCHEDULERS
 
-BASE_SCHEDULERS = ("dp_balanced", *DYNAMIC_CP_SCHEDULERS)
+BASE_SCHEDULERS = (*PORTABLE_SCHEDULERS, *DYNAMIC_CP_SCHEDULERS)
 
 
 def report() -> dict[str, Any]:
