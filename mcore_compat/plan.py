@@ -137,7 +137,7 @@ def read_megatron_dataset(prefix: str) -> list[int]:
             f"--megatron-dataset needs megatron-core's IndexedDataset reader, which failed to import ({exc}); "
             "install a megatron-core pin or pass --lengths"
         ) from None
-    dataset = IndexedDataset(prefix, multimodal=False, mmap=True)
+    dataset = IndexedDataset(prefix)
     return [int(n) for n in dataset.sequence_lengths]
 
 
