@@ -196,10 +196,10 @@ def plan_balanced(
     ``ceil(sum(lengths) / capacity)`` (and the ``max_seqs`` bound) for which dealing the samples longest
     first (ties: lower index) fits every sample into ``K`` non-empty bins: onto the least loaded bin, or
     where that fails, into the fullest bin that stays at or under the mean load, else under the capacity.
-    ``K`` is searched by bisection up to ``dp_balanced``'s count, whose plan is returned where no
-    smaller-or-equal ``K`` works. Bins are then sorted by load (ties: lowest member) and microbatch ``i``
-    gets bins ``i*dp .. i*dp+dp-1``, so the DP ranks of one microbatch carry similar loads. Members of a
-    bin are in sample order.
+    ``K`` is tried at the bound, then searched by bisection up to ``dp_balanced``'s count, whose plan is
+    returned where no smaller-or-equal ``K`` works. Bins are then sorted by load (ties: lowest member) and
+    microbatch ``i`` gets bins ``i*dp .. i*dp+dp-1``, so the DP ranks of one microbatch carry similar loads.
+    Members of a bin are in sample order.
     """
     if capacity < 1 or dp_size < 1:
         raise ValueError(f"capacity={capacity} and dp_size={dp_size} must be positive")
@@ -217,7 +217,11 @@ def plan_balanced(
     low = -(-floor // multiple)
     high = len(reference.bins) // multiple if reference is not None else n // multiple
     order = sorted(range(n), key=lambda i: (-lengths[i], i))
-    best: list[list[int]] | None = None
+    best = _deal(order, lengths, capacity, low * multiple, max_seqs) if low <= high else None
+    if best is None:
+        low += 1
+    else:
+        high = low - 1
     while low <= high:
         middle = (low + high) // 2
         bins = _deal(order, lengths, capacity, middle * multiple, max_seqs)
