@@ -1,4 +1,5 @@
-"""Command line: ``mcore-compat doctor``, ``mcore-compat pin list | status | <pin>``, ``mcore-compat demo``."""
+"""Command line: ``mcore-compat doctor [--json]``, ``mcore-compat pin list | status | <pin>``, ``mcore-compat demo``,
+``mcore-compat plan``."""
 
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
         "PIN: install that pin here with pip, then print the doctor's report",
     )
     commands.add_parser("demo", help="doctor, then one 4-rank CPU packing step through the facade (gloo)")
+    _add_plan(commands)
     return parser
 
 
@@ -90,6 +92,36 @@ def pin_main(action: str) -> int:
         return 2
 
 
+def _add_plan(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    plan_cmd = commands.add_parser(
+        "plan",
+        help="simulate one step's packing for a layout (no processes): microbatches, padding, DP balance",
+        description="Plan one global batch with the runtime's own host-side planning code and compare schedulers.",
+    )
+    source = plan_cmd.add_mutually_exclusive_group(required=True)
+    source.add_argument("--lengths", metavar="FILE", help="raw sample lengths, one positive integer per line")
+    source.add_argument("--megatron-dataset", metavar="PREFIX", help="a Megatron indexed dataset (PREFIX.bin/.idx)")
+    source.add_argument("--synthetic", metavar="NAME", help="chat-sft, lognormal, bimodal or uniform")
+    plan_cmd.add_argument("--samples", type=int, default=1024, help="with --synthetic: global batch size [1024]")
+    plan_cmd.add_argument("--seed", type=int, default=0, help="with --synthetic: random seed [0]")
+    plan_cmd.add_argument("--layout", required=True, metavar="TP,CP,DP", help="parallel sizes, e.g. 1,2,8")
+    plan_cmd.add_argument("--max-seqlen-per-dp-cp-rank", type=int, required=True, metavar="M")
+    plan_cmd.add_argument(
+        "--scheduler",
+        action="append",
+        metavar="NAME",
+        help="dp_balanced, balanced or default_dynamic_cp; repeat to compare [dp_balanced and balanced]",
+    )
+    plan_cmd.add_argument("--sequence-parallel", action="store_true", help="pad lengths for sequence parallelism")
+    plan_cmd.add_argument("--min-dynamic-context-parallel-size", type=int, default=1, metavar="N")
+    plan_cmd.add_argument("--plot", metavar="FILE.png", help="draw microbatch x DP-rank loads (matplotlib)")
+    plan_cmd.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON object; 'microbatches' and 'bins' (bins[i][d]: 0-based input lines) are the first scheduler's",
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "doctor":
@@ -103,6 +135,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from mcore_compat import demo
 
         return demo.run(started=started)
+    if args.command == "plan":
+        from mcore_compat import plan
+
+        return plan.main(args)
     raise AssertionError(args.command)
 
 

@@ -19,6 +19,7 @@ import mcore_compat
 from mcore_compat.adapters import DYNAMIC_CP_SCHEDULERS, adapter
 from mcore_compat.capabilities import Capabilities, detect
 from mcore_compat.pins import Pin, PinTable, load
+from mcore_compat.portable import SCHEDULERS as PORTABLE_SCHEDULERS
 
 __all__ = [
     "BASE_SCHEDULERS",
@@ -33,7 +34,7 @@ __all__ = [
     "versions",
 ]
 
-BASE_SCHEDULERS = ("dp_balanced", *DYNAMIC_CP_SCHEDULERS)
+BASE_SCHEDULERS = (*PORTABLE_SCHEDULERS, *DYNAMIC_CP_SCHEDULERS)
 CUSTOM_PIN = "custom"
 NO_PIN = "none"
 

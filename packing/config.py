@@ -28,7 +28,8 @@ world size / (tp * cp * pp)); only dynamic CP needs it. ``model.seq_length`` (th
 model takes) falls back to ``dataset.seq_length`` and vice versa; at least one must be set.
 
 When packing is on and every rule holds, validation writes ``model.sequence_packing_scheduler``
-(when unset: ``dp_balanced``, or ``default_dynamic_cp`` under dynamic CP) and
+(when unset: ``dp_balanced``, or ``default_dynamic_cp`` under dynamic CP; ``balanced`` is opt-in and runs with
+static CP on every pin) and
 ``dataset.global_batch_packing_pad_to_multiple_of``. On a violation it writes nothing and raises
 :class:`~packing.types.PackingConfigError` naming the field, its value and the fix, or
 :class:`~packing.types.UnsupportedPinError` (the probe's refusal) when the pinned Megatron-Core cannot run
@@ -42,6 +43,7 @@ from typing import Any, NamedTuple
 
 import packing as facade
 from mcore_compat.errors import PackingConfigError, UnsupportedPinError
+from mcore_compat.portable import SCHEDULERS as PORTABLE_SCHEDULERS
 from packing.global_batch import REQUIRED_SAMPLE_KEYS, alignment_multiple
 
 __all__ = [
@@ -135,7 +137,8 @@ def _check_model(cfg: Any) -> None:
         raise _invalid(
             "model.sequence_packing_scheduler",
             scheduler,
-            f"set it to a scheduler name such as {STATIC_CP_SCHEDULER!r}, or leave it None for the default",
+            f"set it to a scheduler name such as {' or '.join(map(repr, PORTABLE_SCHEDULERS))} (static context "
+            f"parallelism) or {facade.DYNAMIC_CP_SCHEDULERS[0]!r} (dynamic), or leave it None for the default",
         )
 
 

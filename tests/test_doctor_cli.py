@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from mcore_compat import pins
+from mcore_compat.doctor import BASE_SCHEDULERS
 from tests.conftest import CLONE_HINT, PROJECT, doctor_report, run_doctor
 
 
@@ -77,7 +78,7 @@ def test_the_verdict_comes_first_and_the_record_only_when_verbose(no_megatron_co
     verbose = run_doctor(no_megatron_core, as_json=False, verbose=True).stdout.splitlines()
     schedulers = [line for line in plain[1:] if line.startswith("  ")]
     assert plain[0].startswith("global-batch packing:") and plain[1 : 1 + len(schedulers)] == schedulers
-    assert len(schedulers) == 4 and all(" no: " in line for line in schedulers)
+    assert len(schedulers) == 2 * len(BASE_SCHEDULERS) and all(" no: " in line for line in schedulers)
     assert not any("import_error" in line for line in plain)
     record = verbose[verbose.index(next(line for line in verbose if line.startswith("capabilities"))) + 1 :]
     assert record[0].split()[0] == "mcore_version" and any(line.split()[0] == "import_error" for line in record)

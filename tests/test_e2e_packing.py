@@ -26,6 +26,7 @@ from mcore_compat.testing import (
     run_cases,
     standard_cases,
 )
+from mcore_compat.testing.records import WORLD_4_LAYOUTS
 
 SYS_PATH, NO_MCORE = locate_mcore()
 pytestmark = pytest.mark.skipif(NO_MCORE is not None, reason=NO_MCORE or "")
@@ -48,6 +49,36 @@ def hide_triton() -> None:
 def runs() -> dict[Case, CaseRun]:
     cases = dict.fromkeys([*POSITIVE, WRONG_SPLIT, DYNAMIC_WRONG_SPLIT, DROP_LAST, DEMO_CASE])
     return {run.case: run for run in run_cases(list(cases), sys_path=SYS_PATH, setup=hide_triton)}
+
+
+BALANCED = [Case(layout, "balanced") for layout in WORLD_4_LAYOUTS]
+BALANCED.append(Case(Layout(1, 2, 2), "balanced", samples_per_next=4, num_microbatches=2))
+
+
+@pytest.fixture(scope="module")
+def balanced_runs() -> dict[Case, CaseRun]:
+    """mcore-compat's ``balanced`` scheduler (the portable backend on every pin), in a process group of its own."""
+    return {run.case: run for run in run_cases(BALANCED, sys_path=SYS_PATH, setup=hide_triton)}
+
+
+@pytest.mark.parametrize("case", BALANCED, ids=lambda case: case.name)
+def test_balanced_steps_pass_every_check(balanced_runs: dict[Case, CaseRun], case: Case):
+    from mcore_compat.portable.schedule import plan_dp_balanced
+
+    run = _ran(balanced_runs, case)
+    errors = run.errors()
+    assert not errors, f"{len(errors)} errors:\n" + "\n".join(errors[:20])
+    if case.layout.cp > 1:
+        assert any(name.startswith("P6") for name in run.patches), run.patches
+    fewer = []
+    for step, ranks in enumerate(run.steps):
+        padded = [s.padded_length for s in case.sample_spec.global_batch(step)]
+        capacity = case.max_seqlen_per_dp_cp_rank * case.layout.cp
+        reference = plan_dp_balanced(padded, capacity=capacity, dp_size=case.layout.dp)
+        assert ranks[0].num_microbatches <= reference.num_microbatches, (step, ranks[0].num_microbatches)
+        fewer.append(ranks[0].num_microbatches < reference.num_microbatches)
+    if case.layout == Layout(1, 1, 4):
+        assert any(fewer), "the ranks ran dp_balanced's plan, not balanced's"
 
 
 def _ran(runs: dict[Case, CaseRun], case: Case) -> CaseRun:

@@ -8,6 +8,7 @@ from typing import Any
 from mcore_compat.adapters.base import FETCH_ARITY, PackedBatch, PackingAdapter, WrapResult
 from mcore_compat.capabilities import Capabilities
 from mcore_compat.generations import FETCH_FUNCTION, SCHEDULER_MODULE, WRAP_FUNCTION
+from mcore_compat.portable import SCHEDULERS as PORTABLE_SCHEDULERS
 from mcore_compat.results import SchedulerApi
 
 
@@ -24,6 +25,7 @@ class NativeSchedulerAdapter(PackingAdapter):
         module = importlib.import_module(SCHEDULER_MODULE)
         self._wrap = getattr(module, WRAP_FUNCTION)
         self._fetch = getattr(module, FETCH_FUNCTION)
+        self._portable_adapter: PackingAdapter | None = None
 
     @classmethod
     def speaks(cls, capabilities: Capabilities) -> bool:
@@ -37,8 +39,10 @@ class NativeSchedulerAdapter(PackingAdapter):
         )
 
     def probe(self, scheduler: str, *, dynamic_cp: bool = False) -> str | None:
+        if self._runs_portably(scheduler):
+            return self._portable().probe(scheduler, dynamic_cp=dynamic_cp)
         return (
-            self.unknown_scheduler(scheduler, self.capabilities.scheduler_names)
+            self.unknown_scheduler(scheduler, (*self.capabilities.scheduler_names, *PORTABLE_SCHEDULERS))
             or self.scheduler_mismatch(scheduler, dynamic_cp)
             or self.missing_native_api(scheduler, dynamic_cp)
         )
@@ -46,7 +50,23 @@ class NativeSchedulerAdapter(PackingAdapter):
     def scheduler_api(self) -> SchedulerApi:
         return self._wrap, self._fetch
 
+    # -- schedulers Megatron-Core's registry lacks run on the portable backend ------------------
+
+    def _runs_portably(self, scheduler: Any) -> bool:
+        """A portable scheduler name that this pin's (readable) registry does not hold."""
+        registry = self.capabilities.scheduler_names
+        return scheduler in PORTABLE_SCHEDULERS and bool(registry) and not self._registered(scheduler)
+
+    def _portable(self) -> PackingAdapter:
+        if self._portable_adapter is None:
+            from mcore_compat.adapters.portable import PortableAdapter
+
+            self._portable_adapter = PortableAdapter(self.capabilities)
+        return self._portable_adapter
+
     def wrap(self, data_iterator: Any, model_config: Any, num_microbatches: int, pg_collection: Any) -> WrapResult:
+        if self._runs_portably(getattr(model_config, "sequence_packing_scheduler", None)):
+            return self._portable().wrap(data_iterator, model_config, num_microbatches, pg_collection)
         self.require_runnable(model_config)
         iterator = data_iterator if self.rank_loads_data(pg_collection) else no_data(model_config)
         packed, count, seqlen_sum, seqlen_squared_sum = self._wrap(
@@ -57,6 +77,9 @@ class NativeSchedulerAdapter(PackingAdapter):
     def get_batch(
         self, data_iterator: Any, model_config: Any, *, pg_collection: Any, vp_stage: int | None
     ) -> PackedBatch:
+        if self._runs_portably(getattr(model_config, "sequence_packing_scheduler", None)):
+            portable = self._portable()
+            return portable.get_batch(data_iterator, model_config, pg_collection=pg_collection, vp_stage=vp_stage)
         kwargs: dict[str, Any] = {
             "vpp_size": getattr(model_config, "virtual_pipeline_model_parallel_size", None),
             "mtp_on_this_rank": self.mtp_on_this_rank(model_config, vp_stage),

@@ -1,4 +1,7 @@
-"""Portable backend: ``dp_balanced`` global-batch packing on pins whose Megatron-Core has no scheduler.
+"""Portable backend: ``dp_balanced`` (and ``balanced``) global-batch packing on ``torch.distributed``.
+
+It serves pins whose Megatron-Core has no scheduler, and on native pins the schedulers Megatron-Core's
+registry does not know (:data:`mcore_compat.portable.SCHEDULERS`, e.g. ``balanced``).
 
 Serves the generations without ``wrap_data_iterator`` (G0, G1, M1, M2 in the generation table):
 every ``megatron-core`` on the package index. Built on ``torch.distributed`` and the installed
@@ -32,7 +35,7 @@ import torch
 from mcore_compat.adapters.base import PackedBatch, PackingAdapter, WrapResult
 from mcore_compat.capabilities import Capabilities
 from mcore_compat.errors import PackingConfigError
-from mcore_compat.portable import exchange
+from mcore_compat.portable import SCHEDULERS, exchange
 from mcore_compat.portable.entry_points import entry_points
 from mcore_compat.portable.errors import (
     OK,
@@ -53,7 +56,7 @@ from mcore_compat.portable.microbatch import (
     pack_bin,
 )
 from mcore_compat.portable.samples import LocalBatch, read_step
-from mcore_compat.portable.schedule import judge, plan_dp_balanced, step_table
+from mcore_compat.portable.schedule import PLANNERS, judge, step_table
 from mcore_compat.results import SchedulerApi
 
 SCHEDULER = "dp_balanced"
@@ -63,12 +66,13 @@ _MICROBATCH_HEADER = VERDICT_WIDTH + 3  # verdict, len(cu_seqlens), local tokens
 
 @dataclass(frozen=True)
 class Settings:
-    """What ``dp_balanced`` reads from the model config."""
+    """What the portable schedulers read from the model config."""
 
     max_seqlen_per_dp_cp_rank: int
     vpp_size: int | None
     vpp_group: int | None
     max_seqs: int | None
+    scheduler: str = SCHEDULER
 
 
 @dataclass
@@ -107,7 +111,10 @@ def read_settings(model_config: Any) -> Settings:
     vpp_group = getattr(model_config, "microbatch_group_size_per_vp_stage", None) if vpp_size is not None else None
     if vpp_group is not None and not _positive_int(vpp_group):
         raise PackingConfigError(f"model_config.microbatch_group_size_per_vp_stage={vpp_group!r}: use a positive int")
-    return Settings(cast(int, capacity), vpp_size, vpp_group, max_seqs)
+    scheduler = getattr(model_config, "sequence_packing_scheduler", SCHEDULER)
+    return Settings(
+        cast(int, capacity), vpp_size, vpp_group, max_seqs, scheduler if scheduler in PLANNERS else SCHEDULER
+    )
 
 
 class PortableAdapter(PackingAdapter):
@@ -138,9 +145,10 @@ class PortableAdapter(PackingAdapter):
         )
 
     def probe(self, scheduler: str, *, dynamic_cp: bool = False) -> str | None:
-        if not dynamic_cp and scheduler == SCHEDULER:
+        names = " or ".join(map(repr, SCHEDULERS))
+        if not dynamic_cp and scheduler in SCHEDULERS:
             return None
-        typo = self.unknown_scheduler(scheduler, (SCHEDULER,))
+        typo = self.unknown_scheduler(scheduler, SCHEDULERS)
         if typo is not None:
             return typo
         mismatch = self.scheduler_mismatch(scheduler, dynamic_cp)
@@ -148,7 +156,7 @@ class PortableAdapter(PackingAdapter):
             return mismatch
         what = "dynamic context parallelism" if dynamic_cp else f"scheduler {scheduler!r}"
         return self.refusal(
-            f"{what} needs Megatron-Core's native scheduler; the portable backend runs only {SCHEDULER!r} "
+            f"{what} needs Megatron-Core's native scheduler; the portable backend runs only {names} "
             "with static context parallelism",
             self.switch_remedy(scheduler, dynamic_cp, lambda row: row.runs_dynamic_cp_natively),
         )
@@ -207,7 +215,7 @@ class PortableAdapter(PackingAdapter):
             return Step(verdict, [], cause=batch.cause)
         table = step_table(reports, cp.rank())
         try:
-            plan = plan_dp_balanced(
+            plan = PLANNERS[settings.scheduler](
                 table.padded,
                 capacity=capacity,
                 dp_size=dp.size(),

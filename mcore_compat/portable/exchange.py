@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from mcore_compat.portable.errors import VERDICT_WIDTH
 from mcore_compat.portable.samples import TOKEN_FIELDS, LocalBatch
-from mcore_compat.portable.schedule import ReportedLengths
+from mcore_compat.portable.schedule import ReportedLengths, routes
 
 WORDS_PER_TOKEN = len(TOKEN_FIELDS)
 """Each token travels as one int64 word per per-token field."""
@@ -122,9 +122,8 @@ def reroute(
     Samples travel in global-id order in both directions.
     """
     me, size = group.rank(), group.size()
-    ids = range(len(padded))
-    outgoing = [[g for g in ids if owner[g] == me and destination[g] == d] for d in range(size)]
-    incoming = [[g for g in ids if owner[g] == s and destination[g] == me] for s in range(size)]
+    plan = routes(owner, destination, me, size)
+    outgoing, incoming = plan.outgoing, plan.incoming
     if size == 1:
         return {g: local[g] for g in incoming[0]}
     send_sizes = [WORDS_PER_TOKEN * sum(padded[g] for g in chunk) for chunk in outgoing]

@@ -1,6 +1,6 @@
-"""``dp_balanced`` bin planning: pure, deterministic, identical on every rank.
+"""Bin planning: pure, deterministic, identical on every rank.
 
-Behaviour (as documented for Megatron-Core's ``DpBalancedScheduler``):
+``dp_balanced`` behaviour (as documented for Megatron-Core's ``DpBalancedScheduler``):
 
 1. Samples are taken in global order (DP rank, then position on that rank) and packed first-fit
    *in order* into bins of ``capacity = max_seqlen_per_dp_cp_rank * cp`` padded tokens: a sample
@@ -10,14 +10,37 @@ Behaviour (as documented for Megatron-Core's ``DpBalancedScheduler``):
    VPP): walking back from the last bin, the last sample of each bin with more than one sample is
    split off into a new single-sample bin at the end until the count is a multiple.
 3. Microbatch ``i`` of DP rank ``d`` is bin ``i * dp + d``; its CP siblings share it.
+
+``balanced`` (this project's scheduler, see :func:`plan_balanced`) sorts the samples longest first
+and deals them onto the least loaded of ``K`` bins, for the smallest multiple ``K`` of ``dp`` that it
+can fill, then gives each microbatch ``dp`` bins of similar load. It never plans more bins than
+``dp_balanced`` on the same batch: where it would, it returns ``dp_balanced``'s plan.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import bisect
+import heapq
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from mcore_compat.portable.errors import OK, PortablePackingError, Problem, record
+
+__all__ = [
+    "PLANNERS",
+    "BinPlan",
+    "Planner",
+    "ReportedLengths",
+    "Routes",
+    "StepTable",
+    "first_fit_in_order",
+    "judge",
+    "plan_balanced",
+    "plan_dp_balanced",
+    "routes",
+    "split_to_multiple",
+    "step_table",
+]
 
 
 @dataclass(frozen=True)
@@ -92,6 +115,138 @@ def plan_dp_balanced(
     return BinPlan(bins=tuple(tuple(b) for b in bins), dp_size=dp_size)
 
 
+def _deal_least_loaded(
+    order: Sequence[int], lengths: Sequence[int], capacity: int, count: int, max_seqs: int | None
+) -> list[list[int]] | None:
+    """Put each sample of ``order`` into the least loaded of ``count`` bins (ties: lowest bin), else None.
+
+    With ``order`` longest first and ``count <= len(order)``, the first ``count`` samples open one bin each.
+    """
+    heap = [(0, b) for b in range(count)]
+    members: list[list[int]] = [[] for _ in range(count)]
+    for sample in order:
+        if not heap:
+            return None
+        load, b = heap[0]
+        load += lengths[sample]
+        if load > capacity:
+            return None
+        members[b].append(sample)
+        if max_seqs is not None and len(members[b]) >= max_seqs:
+            heapq.heappop(heap)
+        else:
+            heapq.heapreplace(heap, (load, b))
+    return members
+
+
+def _deal_best_fit(
+    order: Sequence[int], lengths: Sequence[int], capacity: int, count: int, max_seqs: int | None, target: int
+) -> list[list[int]] | None:
+    """Put each sample into the fullest of ``count`` bins it keeps at or under ``target``, else the least loaded.
+
+    Bins are kept as sorted keys ``load * count + bin`` (ties: highest bin). Once the samples left are as
+    many as the empty bins, each goes to an empty bin, so no bin stays empty. None if a sample does not fit.
+    """
+    keys = list(range(count))
+    members: list[list[int]] = [[] for _ in range(count)]
+    empty, left = count, len(order)
+    for sample in order:
+        length = lengths[sample]
+        if not keys:
+            return None
+        index = 0
+        if left > empty and length <= target:
+            index = max(0, bisect.bisect_right(keys, (target - length) * count + count - 1) - 1)
+        key = keys.pop(index)
+        load, b = divmod(key, count)
+        if load + length > capacity:
+            return None
+        empty -= load == 0
+        left -= 1
+        members[b].append(sample)
+        if max_seqs is None or len(members[b]) < max_seqs:
+            bisect.insort(keys, (load + length) * count + b)
+    return members
+
+
+def _deal(
+    order: Sequence[int], lengths: Sequence[int], capacity: int, count: int, max_seqs: int | None
+) -> list[list[int]] | None:
+    """``count`` non-empty bins: least loaded (the most even loads), else best fit under the mean load or capacity."""
+    mean = -(-sum(lengths[s] for s in order) // count)
+    return (
+        _deal_least_loaded(order, lengths, capacity, count, max_seqs)
+        or _deal_best_fit(order, lengths, capacity, count, max_seqs, mean)
+        or _deal_best_fit(order, lengths, capacity, count, max_seqs, capacity)
+    )
+
+
+def plan_balanced(
+    lengths: Sequence[int],
+    *,
+    capacity: int,
+    dp_size: int,
+    vpp_group: int | None = None,
+    max_seqs: int | None = None,
+) -> BinPlan:
+    """Plan one step with the ``balanced`` scheduler; never more bins than :func:`plan_dp_balanced`.
+
+    The bin count ``K`` is the smallest multiple of ``dp_size * (vpp_group or 1)`` at or above
+    ``ceil(sum(lengths) / capacity)`` (and the ``max_seqs`` bound) for which dealing the samples longest
+    first (ties: lower index) fits every sample into ``K`` non-empty bins: onto the least loaded bin, or
+    where that fails, into the fullest bin that stays at or under the mean load, else under the capacity.
+    ``K`` is tried at the bound, then searched by bisection up to ``dp_balanced``'s count, whose plan is
+    returned where no smaller-or-equal ``K`` works. Bins are then sorted by load (ties: lowest member) and
+    microbatch ``i`` gets bins ``i*dp .. i*dp+dp-1``, so the DP ranks of one microbatch carry similar loads.
+    Members of a bin are in sample order.
+    """
+    if capacity < 1 or dp_size < 1:
+        raise ValueError(f"capacity={capacity} and dp_size={dp_size} must be positive")
+    multiple = dp_size * (vpp_group or 1)
+    try:
+        reference: BinPlan | None = plan_dp_balanced(
+            lengths, capacity=capacity, dp_size=dp_size, vpp_group=vpp_group, max_seqs=max_seqs
+        )
+    except PortablePackingError:
+        reference = None
+    n = len(lengths)
+    if n == 0:
+        return BinPlan(bins=(), dp_size=dp_size)
+    floor = max(-(-sum(lengths) // capacity), -(-n // max_seqs) if max_seqs else 1)
+    low = -(-floor // multiple)
+    high = len(reference.bins) // multiple if reference is not None else n // multiple
+    order = sorted(range(n), key=lambda i: (-lengths[i], i))
+    best = _deal(order, lengths, capacity, low * multiple, max_seqs) if low <= high else None
+    if best is None:
+        low += 1
+    else:
+        high = low - 1
+    while low <= high:
+        middle = (low + high) // 2
+        bins = _deal(order, lengths, capacity, middle * multiple, max_seqs)
+        if bins is None:
+            low = middle + 1
+        else:
+            best, high = bins, middle - 1
+    if best is None:
+        if reference is None:  # dp_balanced's own refusal, with its numbers
+            plan_dp_balanced(lengths, capacity=capacity, dp_size=dp_size, vpp_group=vpp_group, max_seqs=max_seqs)
+        assert reference is not None
+        return reference
+    for members in best:
+        members.sort()
+    loads = [sum(lengths[s] for s in members) for members in best]
+    ranked = sorted(range(len(best)), key=lambda b: (-loads[b], best[b][0]))
+    return BinPlan(bins=tuple(tuple(best[b]) for b in ranked), dp_size=dp_size)
+
+
+Planner = Callable[..., BinPlan]
+"""``planner(lengths, *, capacity, dp_size, vpp_group=None, max_seqs=None) -> BinPlan``."""
+
+PLANNERS: dict[str, Planner] = {"dp_balanced": plan_dp_balanced, "balanced": plan_balanced}
+"""The portable backend's schedulers by ``sequence_packing_scheduler`` name."""
+
+
 # -- the step's global sample table -----------------------------------------------------------------
 
 
@@ -162,13 +317,38 @@ def judge(reports: Sequence[ReportedLengths], *, capacity: int, dp_size: int, cp
     return list(OK)
 
 
+@dataclass(frozen=True)
+class Routes:
+    """Which global sample ids one DP rank sends to and receives from each DP rank, in global-id order."""
+
+    outgoing: tuple[tuple[int, ...], ...]
+    incoming: tuple[tuple[int, ...], ...]
+
+
+def routes(owner: Sequence[int], destination: Sequence[int], me: int, size: int) -> Routes:
+    """DP rank ``me``'s sends and receives, from each sample's source and target DP rank: one pass, O(n + size)."""
+    outgoing: list[list[int]] = [[] for _ in range(size)]
+    incoming: list[list[int]] = [[] for _ in range(size)]
+    for sample, (source, target) in enumerate(zip(owner, destination, strict=True)):
+        if source == me:
+            outgoing[target].append(sample)
+        if target == me:
+            incoming[source].append(sample)
+    return Routes(tuple(map(tuple, outgoing)), tuple(map(tuple, incoming)))
+
+
 __all__ = [
     "BinPlan",
     "ReportedLengths",
     "StepTable",
     "first_fit_in_order",
     "judge",
+    "PLANNERS",
+    "Planner",
+    "Routes",
+    "plan_balanced",
     "plan_dp_balanced",
+    "routes",
     "split_to_multiple",
     "step_table",
 ]

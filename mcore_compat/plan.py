@@ -1,0 +1,402 @@
+"""``mcore-compat plan``: what one step's packing does for given lengths and layout, without any process.
+
+It runs the very host-side planning the portable backend runs on each rank
+(:data:`mcore_compat.portable.schedule.PLANNERS`) on lengths read from a file, a Megatron indexed
+dataset (through Megatron-Core's own ``IndexedDataset`` reader) or a named synthetic distribution, and
+reports microbatches per step against the lower bound, padding, DP balance and attention work.
+
+Definitions used throughout (``capacity = max_seqlen_per_dp_cp_rank x CP`` padded tokens per bin):
+
+- lower bound: ``ceil(ceil(sum(padded) / capacity) / DP)`` microbatches per DP rank;
+- DP efficiency: useful (raw) tokens / (DP x sum over microbatches of the busiest DP rank's padded tokens);
+- DP imbalance of a microbatch: its busiest DP rank's padded tokens / the mean over DP ranks;
+- attention imbalance of a microbatch: the same ratio for the attention work sum(L^2) of each rank's bin.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mcore_compat.portable import SCHEDULERS
+from mcore_compat.portable.errors import PortablePackingError
+from mcore_compat.portable.schedule import PLANNERS
+
+__all__ = [
+    "DYNAMIC_SCHEDULERS",
+    "SYNTHETIC",
+    "Layout",
+    "PlanInputError",
+    "ScheduleReport",
+    "alignment",
+    "format_reports",
+    "lower_bound",
+    "main",
+    "plan_lengths",
+    "read_lengths_file",
+    "read_megatron_dataset",
+    "synthetic_lengths",
+]
+
+DYNAMIC_SCHEDULERS: tuple[str, ...] = ("default_dynamic_cp",)
+"""Schedulers ``plan`` names but cannot simulate yet (dynamic context parallelism)."""
+
+
+class PlanInputError(ValueError):
+    """Bad input to ``plan``: one sentence naming the line or option and the fix (exit status 2)."""
+
+
+# -- synthetic length distributions --------------------------------------------------------------
+
+
+def _chat_sft(rng: random.Random, longest: int) -> float:
+    # mostly short turns, one in ten a long multi-turn conversation
+    return rng.lognormvariate(6.0, 0.9) if rng.random() < 0.9 else rng.lognormvariate(7.8, 0.6)
+
+
+def _lognormal(rng: random.Random, longest: int) -> float:
+    return rng.lognormvariate(6.5, 1.2)
+
+
+def _bimodal(rng: random.Random, longest: int) -> float:
+    # short instructions, and long documents around 0.6 of the longest sample
+    return rng.gauss(400, 100) if rng.random() < 0.7 else rng.gauss(0.6 * longest, 0.1 * longest)
+
+
+def _uniform(rng: random.Random, longest: int) -> float:
+    return rng.uniform(1, longest)
+
+
+SYNTHETIC: dict[str, Callable[[random.Random, int], float]] = {
+    "chat-sft": _chat_sft,
+    "lognormal": _lognormal,
+    "bimodal": _bimodal,
+    "uniform": _uniform,
+}
+"""Named length distributions: ``draw(rng, longest) -> length`` before clipping to ``[1, longest]``."""
+
+
+def synthetic_lengths(name: str, samples: int, seed: int, longest: int) -> list[int]:
+    """``samples`` raw lengths from the distribution ``name``, clipped to ``[1, longest]``; same seed, same lengths."""
+    if name not in SYNTHETIC:
+        raise PlanInputError(f"--synthetic {name!r} is not a distribution; use one of {', '.join(SYNTHETIC)}")
+    if samples < 1:
+        raise PlanInputError(f"--samples {samples}: use a positive number of samples")
+    rng = random.Random(seed)
+    draw = SYNTHETIC[name]
+    return [min(longest, max(1, int(draw(rng, longest)))) for _ in range(samples)]
+
+
+# -- inputs ---------------------------------------------------------------------------------------
+
+
+def read_lengths_file(path: str | Path) -> list[int]:
+    """One positive integer per line (blank lines are errors too: each line is one sample)."""
+    lengths = []
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise PlanInputError(f"--lengths {path}: cannot read it ({exc.strerror}); pass a readable file") from None
+    for number, line in enumerate(text.splitlines(), start=1):
+        value = line.strip()
+        try:
+            length = int(value)
+        except ValueError:
+            raise PlanInputError(
+                f"{path} line {number}: {value!r} is not an integer; write one raw sample length (a positive "
+                "integer) per line"
+            ) from None
+        if length < 1:
+            raise PlanInputError(
+                f"{path} line {number}: length {length} is not positive; every sample needs at least one token "
+                "(drop empty samples)"
+            )
+        lengths.append(length)
+    if not lengths:
+        raise PlanInputError(f"--lengths {path}: the file has no lines; write one raw sample length per line")
+    return lengths
+
+
+def read_megatron_dataset(prefix: str) -> list[int]:
+    """Sequence lengths of a Megatron indexed dataset (``PREFIX.bin``/``PREFIX.idx``), via Megatron-Core's reader."""
+    for suffix in (".bin", ".idx"):
+        if not Path(prefix + suffix).is_file():
+            raise PlanInputError(
+                f"--megatron-dataset {prefix}: {prefix}{suffix} does not exist; pass the path prefix shared by the "
+                ".bin and .idx files (without the suffix)"
+            )
+    try:
+        from megatron.core.datasets.indexed_dataset import IndexedDataset
+    except ImportError as exc:
+        raise PlanInputError(
+            f"--megatron-dataset needs megatron-core's IndexedDataset reader, which failed to import ({exc}); "
+            "install a megatron-core pin or pass --lengths"
+        ) from None
+    dataset = IndexedDataset(prefix)
+    return [int(n) for n in dataset.sequence_lengths]
+
+
+# -- planning -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Tensor, context and data parallel sizes."""
+
+    tp: int
+    cp: int
+    dp: int
+
+    @classmethod
+    def parse(cls, text: str) -> Layout:
+        """``"TP,CP,DP"``."""
+        parts = text.split(",")
+        try:
+            sizes = [int(p) for p in parts]
+        except ValueError:
+            sizes = []
+        if len(sizes) != 3 or min(sizes) < 1:
+            raise PlanInputError(f"--layout {text!r}: write three positive integers TP,CP,DP, e.g. --layout 1,2,8")
+        return cls(*sizes)
+
+
+def alignment(layout: Layout, sequence_parallel: bool = False) -> int:
+    """The padded-length multiple the runtime uses with static CP: lcm(2*CP (1 at CP 1), CP*TP with SP)."""
+    multiple = 2 * layout.cp if layout.cp > 1 else 1
+    return math.lcm(multiple, layout.cp * layout.tp) if sequence_parallel else multiple
+
+
+def lower_bound(padded: Sequence[int], capacity: int, dp: int) -> int:
+    """Microbatches per DP rank no scheduler can beat: ``ceil(ceil(sum(padded) / capacity) / dp)``."""
+    bins = -(-sum(padded) // capacity)
+    return -(-bins // dp)
+
+
+@dataclass
+class ScheduleReport:
+    """One scheduler's plan of one step and its figures."""
+
+    scheduler: str
+    microbatches: int = 0
+    bins: list[list[list[int]]] = field(default_factory=list)
+    """``bins[i][d]``: input line indices (0-based) in microbatch ``i`` of DP rank ``d``."""
+    loads: list[list[int]] = field(default_factory=list)
+    """``loads[i][d]``: padded tokens of that bin."""
+    dp_efficiency: float = 0.0
+    dp_imbalance: list[float] = field(default_factory=list)
+    attention_imbalance: list[float] = field(default_factory=list)
+    unavailable: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        if self.unavailable is not None:
+            return {"scheduler": self.scheduler, "unavailable": self.unavailable}
+        return {
+            "scheduler": self.scheduler,
+            "microbatches": self.microbatches,
+            "bins": self.bins,
+            "loads": self.loads,
+            "dp_efficiency": self.dp_efficiency,
+            "dp_imbalance": self.dp_imbalance,
+            "attention_imbalance": self.attention_imbalance,
+        }
+
+
+def _ratio_to_mean(values: Sequence[int]) -> float:
+    total = sum(values)
+    return max(values) * len(values) / total if total else 1.0
+
+
+def _check_lengths(raw: Sequence[int], padded: Sequence[int], capacity: int, layout: Layout, source: str) -> None:
+    for index, (length, aligned) in enumerate(zip(raw, padded, strict=True)):
+        if aligned > capacity:
+            need = -(-aligned // layout.cp)
+            raise PlanInputError(
+                f"{source} line {index + 1} (sample {index}): length {length} (padded to {aligned}) exceeds the "
+                f"bin capacity {capacity} (max_seqlen_per_dp_cp_rank x CP); raise --max-seqlen-per-dp-cp-rank "
+                f"to at least {need} or truncate the sample"
+            )
+
+
+def plan_lengths(
+    raw: Sequence[int],
+    *,
+    layout: Layout,
+    max_seqlen_per_dp_cp_rank: int,
+    schedulers: Sequence[str],
+    sequence_parallel: bool = False,
+    min_dynamic_context_parallel_size: int = 1,
+    source: str = "input",
+) -> tuple[list[int], list[ScheduleReport]]:
+    """Pad ``raw`` to the runtime's alignment and plan it with each scheduler; returns (padded, reports)."""
+    if max_seqlen_per_dp_cp_rank < 1:
+        raise PlanInputError(
+            f"--max-seqlen-per-dp-cp-rank {max_seqlen_per_dp_cp_rank}: use the positive number of padded tokens "
+            "one DP x CP rank holds per microbatch"
+        )
+    multiple = alignment(layout, sequence_parallel)
+    padded = [-(-n // multiple) * multiple for n in raw]
+    capacity = max_seqlen_per_dp_cp_rank * layout.cp
+    _check_lengths(raw, padded, capacity, layout, source)
+    reports = []
+    for name in schedulers:
+        if name in DYNAMIC_SCHEDULERS:
+            pool = layout.dp * layout.cp
+            if pool & (pool - 1):
+                raise PlanInputError(
+                    f"--scheduler {name} with --layout {layout.tp},{layout.cp},{layout.dp}: DP x CP = {pool} must be "
+                    "a power of two for dynamic context parallelism; change DP or CP"
+                )
+            if min_dynamic_context_parallel_size < 1 or min_dynamic_context_parallel_size > pool:
+                raise PlanInputError(
+                    f"--min-dynamic-context-parallel-size {min_dynamic_context_parallel_size}: use a power of two "
+                    f"between 1 and DP x CP = {pool}"
+                )
+            reports.append(
+                ScheduleReport(
+                    name, unavailable="not yet available in plan (the portable dynamic-CP scheduler is not merged)"
+                )
+            )
+            continue
+        if name not in PLANNERS:
+            raise PlanInputError(
+                f"--scheduler {name!r} is not a scheduler plan knows; use one of "
+                f"{', '.join((*SCHEDULERS, *DYNAMIC_SCHEDULERS))}"
+            )
+        try:
+            plan = PLANNERS[name](padded, capacity=capacity, dp_size=layout.dp)
+        except PortablePackingError as exc:
+            raise PlanInputError(f"--scheduler {name}: {exc}") from None
+        reports.append(_report(name, plan.bins, layout.dp, raw, padded))
+    return padded, reports
+
+
+def _report(
+    name: str, bins: Sequence[Sequence[int]], dp: int, raw: Sequence[int], padded: Sequence[int]
+) -> ScheduleReport:
+    count = len(bins) // dp
+    grid = [[list(bins[i * dp + d]) for d in range(dp)] for i in range(count)]
+    loads = [[sum(padded[s] for s in members) for members in row] for row in grid]
+    work = [[sum(padded[s] ** 2 for s in members) for members in row] for row in grid]
+    busiest = sum(max(row) for row in loads)
+    return ScheduleReport(
+        scheduler=name,
+        microbatches=count,
+        bins=grid,
+        loads=loads,
+        dp_efficiency=sum(raw) / (dp * busiest) if busiest else 1.0,
+        dp_imbalance=[_ratio_to_mean(row) for row in loads],
+        attention_imbalance=[_ratio_to_mean(row) for row in work],
+    )
+
+
+# -- output ---------------------------------------------------------------------------------------
+
+
+def _spread(values: Sequence[float]) -> str:
+    ordered = sorted(values)
+    return f"mean {sum(ordered) / len(ordered):.3f}, median {ordered[len(ordered) // 2]:.3f}, max {ordered[-1]:.3f}"
+
+
+def format_reports(
+    reports: Sequence[ScheduleReport],
+    *,
+    raw: Sequence[int],
+    padded: Sequence[int],
+    layout: Layout,
+    capacity: int,
+) -> str:
+    """The human-readable comparison."""
+    bound = lower_bound(padded, capacity, layout.dp)
+    lines = [
+        f"{len(raw)} samples, {sum(raw)} tokens ({sum(padded)} padded to the alignment, "
+        f"+{sum(padded) - sum(raw)}); layout TP={layout.tp} CP={layout.cp} DP={layout.dp}, bin capacity {capacity}",
+        f"lower bound: {bound} microbatches per DP rank (ceil(ceil({sum(padded)} / {capacity}) / {layout.dp}))",
+    ]
+    for report in reports:
+        lines.append("")
+        if report.unavailable is not None:
+            lines.append(f"{report.scheduler}: {report.unavailable}")
+            continue
+        slots = report.microbatches * layout.dp * capacity
+        lines += [
+            f"{report.scheduler}:",
+            f"  microbatches per step: {report.microbatches} ({report.microbatches / bound:.3f} x the lower bound)",
+            f"  padding: {sum(padded) - sum(raw)} alignment tokens; bins {sum(padded) / slots:.1%} full on average",
+            f"  DP efficiency: {report.dp_efficiency:.3f}",
+            f"  DP imbalance per microbatch (busiest / mean): {_spread(report.dp_imbalance)}",
+            f"  attention-work imbalance per microbatch (sum L^2): {_spread(report.attention_imbalance)}",
+        ]
+    return "\n".join(lines)
+
+
+def plot(reports: Sequence[ScheduleReport], path: str, capacity: int) -> None:
+    """Each scheduler's microbatch x DP-rank load as a heat map (needs matplotlib: the ``plot`` extra)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise PlanInputError(
+            f"--plot {path} needs matplotlib; install it with `pip install 'mcore-compat[plot]'` or drop --plot"
+        ) from None
+    shown = [r for r in reports if r.unavailable is None]
+    figure, axes = plt.subplots(1, len(shown), figsize=(5 * len(shown), 4), squeeze=False)
+    for ax, report in zip(axes[0], shown, strict=True):
+        image = ax.imshow(report.loads, aspect="auto", vmin=0, vmax=capacity, cmap="viridis")
+        ax.set_title(f"{report.scheduler}: {report.microbatches} microbatches")
+        ax.set_xlabel("DP rank")
+        ax.set_ylabel("microbatch")
+    figure.colorbar(image, ax=axes[0].tolist(), label="padded tokens")
+    figure.savefig(path)
+    plt.close(figure)
+
+
+def main(args: Any) -> int:
+    """Run ``plan`` for parsed CLI arguments (see :mod:`mcore_compat.cli`); 0 on success, 2 on bad input."""
+    import sys
+
+    try:
+        layout = Layout.parse(args.layout)
+        capacity = args.max_seqlen_per_dp_cp_rank * layout.cp
+        if args.lengths is not None:
+            raw, source = read_lengths_file(args.lengths), str(args.lengths)
+        elif args.megatron_dataset is not None:
+            raw, source = read_megatron_dataset(args.megatron_dataset), f"{args.megatron_dataset}.idx sequence list"
+        else:
+            raw, source = synthetic_lengths(args.synthetic, args.samples, args.seed, capacity), "synthetic lengths"
+        padded, reports = plan_lengths(
+            raw,
+            layout=layout,
+            max_seqlen_per_dp_cp_rank=args.max_seqlen_per_dp_cp_rank,
+            schedulers=args.scheduler or ["dp_balanced", "balanced"],
+            sequence_parallel=args.sequence_parallel,
+            min_dynamic_context_parallel_size=args.min_dynamic_context_parallel_size,
+            source=source,
+        )
+        if args.plot:
+            plot(reports, args.plot, capacity)
+    except PlanInputError as exc:
+        print(f"mcore-compat plan: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        first = next((r for r in reports if r.unavailable is None), None)
+        data: dict[str, Any] = {
+            "samples": len(raw),
+            "layout": {"tp": layout.tp, "cp": layout.cp, "dp": layout.dp},
+            "capacity": capacity,
+            "padded": padded,
+            "lower_bound": lower_bound(padded, capacity, layout.dp),
+            "microbatches": first.microbatches if first else None,
+            "bins": first.bins if first else None,
+            "schedulers": [r.as_dict() for r in reports],
+        }
+        print(json.dumps(data))
+    else:
+        print(format_reports(reports, raw=raw, padded=padded, layout=layout, capacity=capacity))
+    return 0
