@@ -1,7 +1,9 @@
-"""The per-sample data contract of global-batch packing.
+"""Building and checking samples of the data contract of global-batch packing.
 
-Megatron-Core's packing scheduler consumes *unpacked* samples: one dict per sequence, delivered
-unstacked (micro-batch size 1, identity collate), each with these keys:
+The contract itself (keys, dtypes, alignment, the pre-packed form too) is written once, in
+:mod:`mcore_compat.contract`, and checked by the facade on every step. This module builds the
+*unpacked* form: one dict per sequence, delivered unstacked (micro-batch size 1, identity collate),
+each with these keys:
 
 - ``tokens``           int64   [L]  input ids, padded with the pad token
 - ``labels``           int64   [L]  target ids
@@ -11,16 +13,18 @@ unstacked (micro-batch size 1, identity collate), each with these keys:
 - ``padded_seq_len``   int32   [1]  ``L``, a multiple of :func:`alignment_multiple`
 
 Only torch is needed here; nothing in this module touches Megatron-Core.
+:func:`validate_unpacked_sample` checks what the builder makes (exact dtypes and shapes); the
+facade's per-step check also takes any integer dtype for the two lengths and pre-packed samples.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from mcore_compat.contract import LENGTH_KEYS, REQUIRED_SAMPLE_KEYS, SAMPLE_DTYPES, TOKEN_KEYS, alignment_multiple
 from mcore_compat.errors import BadSampleError, PackingConfigError
 
 __all__ = [
@@ -39,17 +43,6 @@ __all__ = [
 
 UnpackedSample = dict[str, torch.Tensor]
 
-TOKEN_KEYS: tuple[str, ...] = ("tokens", "labels", "loss_mask", "position_ids")
-LENGTH_KEYS: tuple[str, ...] = ("original_seq_len", "padded_seq_len")
-REQUIRED_SAMPLE_KEYS: tuple[str, ...] = TOKEN_KEYS + LENGTH_KEYS
-SAMPLE_DTYPES: dict[str, torch.dtype] = {
-    "tokens": torch.int64,
-    "labels": torch.int64,
-    "loss_mask": torch.float32,
-    "position_ids": torch.int64,
-    "original_seq_len": torch.int32,
-    "padded_seq_len": torch.int32,
-}
 _BUILD_HINT = "build samples with packing.global_batch.build_unpacked_sequence_sample"
 
 
@@ -57,20 +50,6 @@ def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise PackingConfigError(f"{name}={value!r}: pass a positive int")
     return value
-
-
-def alignment_multiple(*, dynamic_cp: bool, dp: int, cp: int, tp: int, sequence_parallel: bool) -> int:
-    """The multiple every sample's padded length must be, for this parallel layout.
-
-    Static CP (``dp_balanced``): the least common multiple of ``2*cp`` (1 when ``cp == 1``) and,
-    with sequence parallelism, ``cp*tp``. Dynamic CP: ``2*dp*cp``, times ``tp`` with sequence
-    parallelism, because a bin may run on any CP group size up to the whole DP x CP pool.
-    """
-    dp, cp, tp = _positive_int("dp", dp), _positive_int("cp", cp), _positive_int("tp", tp)
-    if dynamic_cp:
-        return 2 * dp * cp * (tp if sequence_parallel else 1)
-    multiple = 2 * cp if cp > 1 else 1
-    return math.lcm(multiple, cp * tp) if sequence_parallel else multiple
 
 
 def _as_1d(name: str, values: Sequence[Any] | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

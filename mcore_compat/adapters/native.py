@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import importlib
+import itertools
 from typing import Any
 
+import mcore_compat.runtime as runtime
 from mcore_compat.adapters.base import FETCH_ARITY, PackedBatch, PackingAdapter, WrapResult
+from mcore_compat.agreement import agree
 from mcore_compat.capabilities import Capabilities
+from mcore_compat.contract import SAMPLE_FORMS, LocalBatch, convert_items, read_step
 from mcore_compat.generations import FETCH_FUNCTION, SCHEDULER_MODULE, WRAP_FUNCTION
 from mcore_compat.portable import SCHEDULERS as PORTABLE_SCHEDULERS
+from mcore_compat.portable.errors import Problem, raise_if_bad, record
 from mcore_compat.results import SchedulerApi
+
+_EVERY_STAGE_FIELDS = ("pipeline_model_parallel_layout", "mtp_num_layers")
+"""Config fields Megatron-Core's scheduler reads (through ``mtp_on_this_rank``) where every PP stage loads data."""
 
 
 class NativeSchedulerAdapter(PackingAdapter):
@@ -22,6 +30,8 @@ class NativeSchedulerAdapter(PackingAdapter):
 
     def __init__(self, capabilities: Capabilities) -> None:
         super().__init__(capabilities)
+        self._packed_count: int | None = None
+        self._fetched: dict[int | None, int] = {}
         module = importlib.import_module(SCHEDULER_MODULE)
         self._wrap = getattr(module, WRAP_FUNCTION)
         self._fetch = getattr(module, FETCH_FUNCTION)
@@ -65,14 +75,61 @@ class NativeSchedulerAdapter(PackingAdapter):
         return self._portable_adapter
 
     def wrap(self, data_iterator: Any, model_config: Any, num_microbatches: int, pg_collection: Any) -> WrapResult:
+        """Check the settings, agree on this step's samples on every rank, then run MCore's scheduler.
+
+        MCore pulls the checked items (converted into a form it reads, where the pin needs that)
+        from a replaying iterator, so it sees what it would have pulled from ``data_iterator``.
+        """
         if self._runs_portably(getattr(model_config, "sequence_packing_scheduler", None)):
             return self._portable().wrap(data_iterator, model_config, num_microbatches, pg_collection)
+        self._check_runtime_config(model_config)
         self.require_runnable(model_config)
-        iterator = data_iterator if self.rank_loads_data(pg_collection) else no_data(model_config)
+        dynamic_cp = self.dynamic_cp_enabled(model_config)
+        if dynamic_cp:
+            runtime.check_min_dynamic_cp_size(model_config, pg_collection.dp_cp.size())
+        limits = runtime.step_limits(model_config, pg_collection, dynamic_cp)
+        self._fetched, self._packed_count = {}, None
+        batch: LocalBatch | None = None
+        source, position = None, None
+        if self.rank_loads_data(pg_collection):
+            source, position = self._stage_source(data_iterator, model_config)
+            batch = read_step(source, num_microbatches, pg_collection.dp.rank(), limits)
+        agree(batch, num_microbatches, pg_collection)
+        iterator: Any
+        if batch is None:
+            iterator = no_data(model_config)
+        else:
+            items = convert_items(batch.items, self._sample_forms())
+            replay = itertools.chain(items, source or ())
+            iterator = replay if position is None else _replace(data_iterator, position, replay)
         packed, count, seqlen_sum, seqlen_squared_sum = self._wrap(
             iterator, model_config, num_microbatches, pg_collection=pg_collection
         )
+        self._packed_count = int(count)
         return WrapResult(packed, int(count), float(seqlen_sum), float(seqlen_squared_sum))
+
+    def _check_runtime_config(self, model_config: Any) -> None:
+        """Strict flags and the fields this pin's scheduler reads, identical on every rank."""
+        runtime.check_dynamic_cp_flags(model_config)
+        runtime.scheduler_name(model_config, tuple(self.capabilities.scheduler_names))
+        fields: tuple[str, ...] = ("max_seqlen_per_dp_cp_rank", "virtual_pipeline_model_parallel_size")
+        if getattr(model_config, "virtual_pipeline_model_parallel_size", None) is not None:
+            fields += ("microbatch_group_size_per_vp_stage",)
+        if self.facts.pipeline_data_stages == "every":
+            fields += _EVERY_STAGE_FIELDS
+        runtime.require_fields(model_config, fields, f"Megatron-Core's {self.facts.id} scheduler")
+
+    def _sample_forms(self) -> tuple[str, ...]:
+        return self.facts.sample_forms or SAMPLE_FORMS
+
+    @staticmethod
+    def _stage_source(data_iterator: Any, model_config: Any) -> tuple[Any, int | None]:
+        """The iterator MCore pulls from: with VPP the first non-None of the per-stage list (and its index)."""
+        vpp_size = getattr(model_config, "virtual_pipeline_model_parallel_size", None)
+        if isinstance(vpp_size, int) and vpp_size > 1 and isinstance(data_iterator, list | tuple):
+            position = next((i for i, it in enumerate(data_iterator) if it is not None), None)
+            return (None, None) if position is None else (data_iterator[position], position)
+        return data_iterator, None
 
     def get_batch(
         self, data_iterator: Any, model_config: Any, *, pg_collection: Any, vp_stage: int | None
@@ -90,9 +147,27 @@ class NativeSchedulerAdapter(PackingAdapter):
             kwargs["dynamic_cp"] = self.dynamic_cp_enabled(model_config)
         if "config" in self.facts.fetch_keywords:
             kwargs["config"] = model_config
+        self._count_fetch(vp_stage)
         iterator = data_iterator if pg_collection.tp.rank() == 0 else None
         batch = tuple(self._fetch(iterator, **kwargs))
         return PackedBatch(*batch, *(None,) * (FETCH_ARITY - len(batch)))
+
+    def _count_fetch(self, vp_stage: int | None) -> None:
+        """Raise ``StopIteration`` on every TP rank for a fetch past the microbatch count ``wrap`` returned.
+
+        Every rank knows the count (MCore broadcasts it over TP), so no rank enters the fetch's
+        broadcast alone.
+        """
+        if self._packed_count is None:
+            return
+        done = self._fetched.get(vp_stage, 0)
+        if done >= self._packed_count:
+            raise_if_bad(record(Problem.PACKED_EXHAUSTED, a=self._packed_count))
+        self._fetched[vp_stage] = done + 1
+
+
+def _replace(iterators: Any, position: int, replay: Any) -> list[Any]:
+    return [replay if i == position else it for i, it in enumerate(iterators)]
 
 
 def no_data(model_config: Any) -> list[None] | None:

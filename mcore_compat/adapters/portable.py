@@ -11,8 +11,9 @@ Megatron-Core's ``dp_balanced`` (see
 
 One step (``wrap``), on TP rank 0 of each data-owning PP stage:
 
-1. pull ``num_microbatches`` items and check every sample locally (no raising yet);
-2. all-gather status and lengths over DP x CP, so every rank reaches the same verdict;
+1. pull ``num_microbatches`` items and check every sample against :mod:`mcore_compat.contract`;
+2. agree on the verdict with every rank (:mod:`mcore_compat.agreement`, one small all-gather), then
+   all-gather the lengths over DP x CP;
 3. plan the bins; send each sample to the DP rank that runs it (one ``all_to_all_single``);
 4. pack this rank's bins into THD microbatch dicts;
 5. middle PP stages get the bins' metadata from the first stage (PP > 2 only);
@@ -32,8 +33,11 @@ from typing import Any, cast
 
 import torch
 
+import mcore_compat.runtime as runtime
 from mcore_compat.adapters.base import PackedBatch, PackingAdapter, WrapResult
+from mcore_compat.agreement import agree
 from mcore_compat.capabilities import Capabilities
+from mcore_compat.contract import LocalBatch, read_step
 from mcore_compat.errors import PackingConfigError
 from mcore_compat.portable import SCHEDULERS, exchange
 from mcore_compat.portable.entry_points import entry_points
@@ -55,7 +59,6 @@ from mcore_compat.portable.microbatch import (
     local_view,
     pack_bin,
 )
-from mcore_compat.portable.samples import LocalBatch, read_step
 from mcore_compat.portable.schedule import PLANNERS, judge, step_table
 from mcore_compat.results import SchedulerApi
 
@@ -167,10 +170,18 @@ class PortableAdapter(PackingAdapter):
     # -- wrap: one step -------------------------------------------------------------------------
 
     def wrap(self, data_iterator: Any, model_config: Any, num_microbatches: int, pg_collection: Any) -> WrapResult:
+        runtime.check_dynamic_cp_flags(model_config)
+        runtime.scheduler_name(model_config)
         self.require_runnable(model_config)
         settings = read_settings(model_config)
         tp, pp = pg_collection.tp, pg_collection.pp
         device = exchange.group_device(pg_collection.dp_cp)
+        batch = None
+        if self.rank_loads_data(pg_collection):
+            limits = runtime.step_limits(model_config, pg_collection, dynamic_cp=False)
+            source = self._stage_iterator(data_iterator, settings)
+            batch = read_step(source, num_microbatches, pg_collection.dp.rank(), limits)
+        agree(batch, num_microbatches, pg_collection)
         if tp.rank() != 0:
             words = exchange.broadcast_fixed(None, _STEP_WIDTH, tp, device)
             raise_if_bad(words[:VERDICT_WIDTH])
@@ -179,10 +190,8 @@ class PortableAdapter(PackingAdapter):
                 self._iterators(None, pg_collection, settings), count, float(seqlen_sum), float(squared_sum)
             )
         step = None
-        if self.rank_loads_data(pg_collection):
-            step = self._pack_step(
-                self._stage_iterator(data_iterator, settings), num_microbatches, pg_collection, settings, device
-            )
+        if batch is not None:
+            step = self._pack_step(batch, num_microbatches, pg_collection, settings, device)
         if pp.size() > 2 and not self._every_stage_loads():
             step = self._share_with_middle_stages(step, pp, device)
         assert step is not None
@@ -204,15 +213,15 @@ class PortableAdapter(PackingAdapter):
         return data_iterator
 
     def _pack_step(
-        self, data_iterator: Any, num_microbatches: int, pg: Any, settings: Settings, device: torch.device
+        self, batch: LocalBatch, num_microbatches: int, pg: Any, settings: Settings, device: torch.device
     ) -> Step:
+        """Plan and route the agreed step (every loading rank's samples passed the contract)."""
         dp, cp = pg.dp, pg.cp
-        batch: LocalBatch = read_step(data_iterator, num_microbatches, dp.rank(), cp.size())
         reports = exchange.gather_lengths(batch, dp.rank(), cp.rank(), pg.dp_cp, num_microbatches, device)
         capacity = settings.max_seqlen_per_dp_cp_rank * cp.size()
         verdict = judge(reports, capacity=capacity, dp_size=dp.size(), cp_size=cp.size())
         if verdict != OK:
-            return Step(verdict, [], cause=batch.cause)
+            return Step(verdict, [])
         table = step_table(reports, cp.rank())
         try:
             plan = PLANNERS[settings.scheduler](
