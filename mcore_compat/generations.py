@@ -10,6 +10,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 PipelineDataStages = Literal["first_last", "every"]
+ModelComponent = Literal["attention", "te_cp_stream", "mla", "mtp", "moe_aux_loss", "mamba"]
+MODEL_COMPONENTS: tuple[ModelComponent, ...] = ("attention", "te_cp_stream", "mla", "mtp", "moe_aux_loss", "mamba")
+"""Model code paths that must follow a microbatch's dynamic CP group (mcore-api-generations §8.1)."""
 
 
 @dataclass(frozen=True)
@@ -23,6 +26,8 @@ class Generation:
     where: str
     fetch_arity: int | None
     pipeline_data_stages: PipelineDataStages | None
+    model_follows_microbatch_cp_group: tuple[ModelComponent, ...] = ()
+    """Model components that run on ``packed_seq_params.cp_group`` from the generation's first commit."""
 
 
 GENERATIONS: dict[str, Generation] = {
@@ -50,7 +55,14 @@ GENERATIONS: dict[str, Generation] = {
             "first_last",
         ),
         Generation(
-            "G3", "dev", "cde56a4692", "hybrid -> dynamic CP rename", "dev from 2026-03-11 (#3405)", 6, "first_last"
+            "G3",
+            "dev",
+            "cde56a4692",
+            "hybrid -> dynamic CP rename",
+            "dev from 2026-03-11 (#3405)",
+            6,
+            "first_last",
+            model_follows_microbatch_cp_group=("attention",),
         ),
         Generation(
             "G4",
@@ -60,9 +72,17 @@ GENERATIONS: dict[str, Generation] = {
             "dev from 2026-04-07 (#2000)",
             6,
             "first_last",
+            model_follows_microbatch_cp_group=("attention", "te_cp_stream", "mtp", "mamba"),
         ),
         Generation(
-            "G4b", "dev", "959a542a11", "every PP stage loads its own data", "dev from 2026-06-08 (#4226)", 6, "every"
+            "G4b",
+            "dev",
+            "959a542a11",
+            "every PP stage loads its own data",
+            "dev from 2026-06-08 (#4226)",
+            6,
+            "every",
+            model_follows_microbatch_cp_group=("attention", "te_cp_stream", "mla", "mtp", "mamba"),
         ),
         Generation(
             "G5",
@@ -72,11 +92,28 @@ GENERATIONS: dict[str, Generation] = {
             "dev from 2026-06-17 (#4359)",
             7,
             "every",
+            model_follows_microbatch_cp_group=MODEL_COMPONENTS,
         ),
         Generation(
-            "G6", "dev", "bfa33263ca", "PackedSeqParams.cp_partition_mode", "dev from 2026-07-03 (#5087)", 7, "every"
+            "G6",
+            "dev",
+            "bfa33263ca",
+            "PackedSeqParams.cp_partition_mode",
+            "dev from 2026-07-03 (#5087)",
+            7,
+            "every",
+            model_follows_microbatch_cp_group=MODEL_COMPONENTS,
         ),
-        Generation("G6b", "dev", "1392f28a5a", "THD tail-padding policy", "dev from 2026-07-30 (#5541)", 7, "every"),
+        Generation(
+            "G6b",
+            "dev",
+            "1392f28a5a",
+            "THD tail-padding policy",
+            "dev from 2026-07-30 (#5541)",
+            7,
+            "every",
+            model_follows_microbatch_cp_group=MODEL_COMPONENTS,
+        ),
         Generation(
             "G7",
             "dev",
@@ -85,9 +122,17 @@ GENERATIONS: dict[str, Generation] = {
             "dev from 2026-08-19 (#6387)",
             7,
             "every",
+            model_follows_microbatch_cp_group=MODEL_COMPONENTS,
         ),
         Generation(
-            "G8", "dev", "d48bd6be0a", "all-gather reroute", "dev tip d48bd6be0a (2026-08-21, #6378)", 7, "every"
+            "G8",
+            "dev",
+            "d48bd6be0a",
+            "all-gather reroute",
+            "dev tip d48bd6be0a (2026-08-21, #6378)",
+            7,
+            "every",
+            model_follows_microbatch_cp_group=MODEL_COMPONENTS,
         ),
         Generation(
             "M1",
