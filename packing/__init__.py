@@ -11,13 +11,16 @@ from typing import Any
 from mcore_compat import adapter
 from mcore_compat.adapters import DYNAMIC_CP_SCHEDULERS
 from mcore_compat.adapters.base import PackedBatch, WrapResult
+from mcore_compat.model_support import enable_dynamic_cp_model_support, model_support_applied
 
 __all__ = [
     "DYNAMIC_CP_SCHEDULERS",
     "dynamic_context_parallel_enabled",
+    "enable_dynamic_cp_model_support",
     "finalize_packed_seq_params",
     "get_batch_for_global_batch_packing",
     "global_batch_packing_enabled",
+    "model_support_applied",
     "probe_global_batch_packing_support",
     "wrap_data_iterator_for_global_batch_packing",
 ]
