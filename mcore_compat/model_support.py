@@ -42,6 +42,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 ATTENTION_MODULE = "megatron.core.transformer.attention"
+_WRAPPED_MARK = "__mcore_compat_follows_microbatch_cp_group__"
 _READS_GROUP = "reads packed_seq_params.cp_group"
 _CREATES_STREAM = "creates a CUDA stream"
 
@@ -247,7 +248,7 @@ def _follow_microbatch_group(forward: Callable[..., Any], *, create_stream: bool
             if te_static is not None:
                 _restore_te_group(core_attention, te_static)
 
-    forward_on_microbatch_group.__mcore_compat_follows_microbatch_cp_group__ = True  # type: ignore[attr-defined]
+    setattr(forward_on_microbatch_group, _WRAPPED_MARK, True)
     return forward_on_microbatch_group
 
 
@@ -284,7 +285,8 @@ def enable_dynamic_cp_model_support() -> tuple[str, ...]:
         else:
             attention = importlib.import_module(ATTENTION_MODULE).Attention
             create_stream = "te_cp_stream" not in following
-            attention.forward = _follow_microbatch_group(attention.forward, create_stream=create_stream)
+            if not getattr(attention.forward, _WRAPPED_MARK, False):  # e.g. a second copy of this module
+                attention.forward = _follow_microbatch_group(attention.forward, create_stream=create_stream)
             changes = (
                 "Attention.forward (RoPE included) runs on packed_seq_params.cp_group while local_cp_size is set, "
                 "without CP for local_cp_size=1 without a group, and restores the static CP group after",
