@@ -163,7 +163,7 @@ def reference_on_rank(rank: int, world_size: int, case: Case) -> dict[str, Any]:
             loss.backward()
             grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
             steps.append({"loss": float(loss), "tokens": tokens, "grads": grads})
-        return {"weights": weights, "steps": steps}
+        return {"weights": weights, "steps": steps, "generation": packing_generation()}
 
 
 def _forward_step(config: Any, pg_collection: Any, data_iterator: Any, model: TinyModel) -> Any:
@@ -184,8 +184,20 @@ def _forward_step(config: Any, pg_collection: Any, data_iterator: Any, model: Ti
     return logits, loss_func
 
 
-def schedule_on_rank(rank: int, world_size: int, case: Case, weights: dict[str, Any], drop: bool) -> dict[str, Any]:
-    """Every step through ``forward_backward_no_pipelining``; ``drop`` skips one microbatch (negative control)."""
+def _remove_model_support() -> None:
+    """Put the pin's own ``Attention.forward`` back: the probe saw the call, the model runs as shipped."""
+    attention = importlib.import_module("megatron.core.transformer.attention").Attention
+    attention.forward = getattr(attention.forward, "__wrapped__", attention.forward)
+
+
+def schedule_on_rank(
+    rank: int, world_size: int, case: Case, weights: dict[str, Any], drop: bool, unsupported: bool = False
+) -> dict[str, Any]:
+    """Every step through ``forward_backward_no_pipelining``.
+
+    Negative controls: ``drop`` skips one microbatch; ``unsupported`` runs the pin's attention without the
+    model support's switch.
+    """
     with cpu_patches(context_parallel=case.layout.cp > 1, dynamic_cp=case.dynamic_cp):
         import packing
 
@@ -194,6 +206,8 @@ def schedule_on_rank(rank: int, world_size: int, case: Case, weights: dict[str, 
         reason = packing.probe_global_batch_packing_support(case.scheduler, dynamic_cp=case.dynamic_cp)
         if reason is not None:
             return {"skip": reason}
+        if unsupported:
+            _remove_model_support()
         _init(case)
         schedules = importlib.import_module("megatron.core.pipeline_parallel.schedules")
         pg_collection = mpu_pg_collection()

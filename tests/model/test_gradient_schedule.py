@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 
-from mcore_compat.testing import Case, Layout, launch, locate_mcore
+from mcore_compat.generations import GENERATIONS
+from mcore_compat.testing import Case, LaunchError, Layout, launch, locate_mcore
 from tests.model import grad_ranks
 
 SYS_PATH, NO_MCORE = locate_mcore()
@@ -40,11 +41,10 @@ def _reference(case: Case) -> dict[str, Any]:
     return _REFERENCES[case]
 
 
-def _run(case: Case, *, drop: bool) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def _run(case: Case, *, drop: bool, unsupported: bool = False) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     reference = _reference(case)
-    ranks = launch(
-        grad_ranks.schedule_on_rank, 4, args=(case, reference["weights"], drop), sys_path=SYS_PATH, timeout=600
-    )
+    args = (case, reference["weights"], drop, unsupported)
+    ranks = launch(grad_ranks.schedule_on_rank, 4, args=args, sys_path=SYS_PATH, timeout=600)
     skips = {rank.get("skip") for rank in ranks}
     if skips != {None}:
         assert len(skips) == 1, f"ranks disagree on whether the pin can run {case.name}: {skips}"
@@ -83,3 +83,20 @@ def test_loss_and_gradients_match_the_unpacked_batch(case: Case) -> None:
 def test_a_dropped_microbatch_is_caught(case: Case) -> None:
     reference, ranks = _run(case, drop=True)
     assert all(_differences(reference, rank) for rank in ranks), "dropping a microbatch changed nothing"
+
+
+def test_without_the_model_support_pins_that_need_it_train_wrong() -> None:
+    """Dynamic CP with the pin's attention as shipped: wrong or crashing on releases and main, right on dev."""
+    case = CASES[2]
+    generation = GENERATIONS[_reference(case)["generation"]]
+    follows = "attention" in generation.model_follows_microbatch_cp_group
+    try:
+        reference, ranks = _run(case, drop=False, unsupported=True)
+    except LaunchError as exc:  # releases: RoPE splits a dynamic bin by the static group's size and fails
+        assert not follows and "split" in str(exc), str(exc)[-2000:]
+        return
+    wrong = [_differences(reference, rank) for rank in ranks]
+    if follows:
+        assert not any(wrong), wrong
+    else:
+        assert all(wrong), f"{generation.id}: the pin's own attention trained dynamic CP right without the support"
