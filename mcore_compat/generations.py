@@ -34,6 +34,8 @@ __all__ = [
     "DYNAMIC_CP_GROUP_GETTERS",
     "FEATURES",
     "FETCH_FUNCTION",
+    "MODEL_COMPONENTS",
+    "ModelComponent",
     "PACKING_CONFIG_FIELDS",
     "SCHEDULER_MODULE",
     "SCHEDULER_UTILS_MODULE",
@@ -64,6 +66,9 @@ CP_INIT_KEYWORDS = ("hybrid_context_parallel", "dynamic_context_parallel", "min_
 
 PipelineDataStages = Literal["first_last", "every"]
 SampleForm = Literal["unpacked", "packed"]
+ModelComponent = Literal["attention", "te_cp_stream", "mla", "mtp", "moe_aux_loss", "mamba"]
+MODEL_COMPONENTS: tuple[ModelComponent, ...] = ("attention", "te_cp_stream", "mla", "mtp", "moe_aux_loss", "mamba")
+"""Model code paths that must follow a microbatch's dynamic CP group (mcore-api-generations §8.1)."""
 
 FEATURES: dict[str, str] = {
     "data_schedule": "megatron.core.datasets.data_schedule imports",
@@ -124,6 +129,8 @@ class Generation:
     bound_cp_group_switches_attention: bool = False
     """Transformer Engine's attention wrapper treats any ``PackedSeqParams.cp_group`` as a per-microbatch group
     (dev from G3 reads it only while ``local_cp_size`` is set)."""
+    model_follows_microbatch_cp_group: tuple[ModelComponent, ...] = ()
+    """Model components that run on ``packed_seq_params.cp_group`` from the generation's first commit."""
 
     @property
     def native_scheduler(self) -> bool:
@@ -151,6 +158,7 @@ def _dev(
     keywords: tuple[str, ...],
     stages: PipelineDataStages = "every",
     forms: tuple[SampleForm, ...] = _BOTH_FORMS,
+    follows: tuple[ModelComponent, ...] = MODEL_COMPONENTS,
 ) -> Generation:
     dynamic = "dynamic_cp" in keywords
     return Generation(
@@ -168,6 +176,7 @@ def _dev(
         sample_forms=forms,
         dynamic_cp_group_getter=_DYNAMIC_GETTER,
         dynamic_cp_schedulers=("default_dynamic_cp",) if dynamic else (),
+        model_follows_microbatch_cp_group=follows,
     )
 
 
@@ -268,6 +277,7 @@ _ROWS = (
         sample_forms=("packed",),
         dynamic_cp_group_getter=_DYNAMIC_GETTER,
         schedule_diverts_on="dynamic_context_parallel",
+        model_follows_microbatch_cp_group=("attention",),
     ),
     _dev(
         "G4",
@@ -279,6 +289,7 @@ _ROWS = (
         keywords=("dynamic_cp",),
         stages="first_last",
         forms=("packed",),
+        follows=("attention", "te_cp_stream", "mtp", "mamba"),
     ),
     _dev(
         "G4b",
@@ -289,6 +300,7 @@ _ROWS = (
         {"fetch.config", "utils.broadcast_to_pp_group"},
         keywords=("dynamic_cp",),
         forms=("packed",),
+        follows=("attention", "te_cp_stream", "mla", "mtp", "mamba"),
     ),
     _dev(
         "G5",

@@ -34,6 +34,7 @@ from mcore_compat.adapters.base import pin_hint, pins_running
 from mcore_compat.adapters.native import no_data
 from mcore_compat.capabilities import route_prebuilder
 from mcore_compat.errors import BadSampleError, PackingConfigError, PackingError, UnsupportedPinError
+from mcore_compat.model_support import enable_dynamic_cp_model_support, model_support_applied
 from mcore_compat.results import PackedBatch, SchedulerApi, WrapResult
 from packing.types import PackingModelConfig, ProcessGroupCollectionLike
 
@@ -46,9 +47,11 @@ __all__ = [
     "UnsupportedPinError",
     "WrapResult",
     "dynamic_context_parallel_enabled",
+    "enable_dynamic_cp_model_support",
     "finalize_packed_seq_params",
     "get_batch_for_global_batch_packing",
     "global_batch_packing_enabled",
+    "model_support_applied",
     "probe_global_batch_packing_support",
     "wrap_data_iterator_for_global_batch_packing",
 ]

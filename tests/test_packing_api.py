@@ -32,9 +32,11 @@ PACKING_ALL = [
     "UnsupportedPinError",
     "WrapResult",
     "dynamic_context_parallel_enabled",
+    "enable_dynamic_cp_model_support",
     "finalize_packed_seq_params",
     "get_batch_for_global_batch_packing",
     "global_batch_packing_enabled",
+    "model_support_applied",
     "probe_global_batch_packing_support",
     "wrap_data_iterator_for_global_batch_packing",
 ]
