@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from mcore_compat import adapter
+from mcore_compat import adapter, detect
 from mcore_compat.adapters import DYNAMIC_CP_SCHEDULERS
 from mcore_compat.adapters.base import PackedBatch, WrapResult
 
 __all__ = [
     "DYNAMIC_CP_SCHEDULERS",
     "dynamic_context_parallel_enabled",
+    "dynamic_cp_initialize_keywords",
     "finalize_packed_seq_params",
     "get_batch_for_global_batch_packing",
     "global_batch_packing_enabled",
@@ -31,6 +32,21 @@ def global_batch_packing_enabled(model_config: Any) -> bool:
 def dynamic_context_parallel_enabled(model_config: Any) -> bool:
     """Whether dynamic CP is configured: an explicit True (or the pin's deprecated hybrid alias)."""
     return adapter().dynamic_cp_enabled(model_config)
+
+
+def dynamic_cp_initialize_keywords(min_size: int = 1) -> dict[str, Any]:
+    """The ``parallel_state.initialize_model_parallel`` keywords that turn on dynamic CP's DP x CP sub-groups.
+
+    Read from the installed Megatron-Core's signature: ``{"dynamic_context_parallel": True,
+    "min_dynamic_context_parallel_size": min_size}`` on dev, ``{"hybrid_context_parallel": True}`` on
+    releases 0.16.1-0.19.2 and main. Raises ``ValueError`` on pins without such groups (0.13-0.15).
+    Where the model config has no ``dynamic_context_parallel`` field (releases, main), set it after
+    construction: ``config.dynamic_context_parallel = True`` (with ``min_dynamic_context_parallel_size``
+    and ``sequence_packing_scheduler = "default_dynamic_cp"``); keep ``config.hybrid_context_parallel`` False.
+    """
+    from mcore_compat.dynamic_cp import dynamic_cp_initialize_keywords as keywords
+
+    return keywords(detect(), min_size)
 
 
 def probe_global_batch_packing_support(scheduler: str, *, dynamic_cp: bool = False) -> str | None:

@@ -228,6 +228,23 @@ def plan_default_dynamic_cp(
     return DynamicPlan(tuple(microbatches))
 
 
+def first_misaligned(plan: DynamicPlan, padded: Sequence[int]) -> tuple[int, int] | None:
+    """The first sample (in plan order) whose padded length is not a multiple of 2 x its group size, and that multiple.
+
+    The THD zigzag split cuts every sequence of a bin on ``k > 1`` ranks into ``2 * k`` equal chunks.
+    """
+    for i, bins in enumerate(plan.microbatches):
+        for rank, members in enumerate(bins):
+            group = plan.group_of(i, rank)
+            if rank != group[0] or len(group) == 1:
+                continue
+            multiple = 2 * len(group)
+            for sample in members:
+                if padded[sample] % multiple:
+                    return sample, multiple
+    return None
+
+
 # -- moving samples to the ranks that run them --------------------------------------------------------
 
 
@@ -282,6 +299,7 @@ def pack_dynamic_bin(
 __all__ = [
     "WORKLOAD_CAP_DELTA",
     "DynamicPlan",
+    "first_misaligned",
     "group_size_needed",
     "pack_dynamic_bin",
     "plan_default_dynamic_cp",
