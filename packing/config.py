@@ -10,7 +10,8 @@ because validation writes to them.
     ``pipeline_model_parallel_size`` [1], ``virtual_pipeline_model_parallel_size`` [None],
     ``data_parallel_size`` [None], ``sequence_parallel`` [False], ``sequence_packing_scheduler`` [None],
     ``dynamic_context_parallel`` [False], ``min_dynamic_context_parallel_size`` [1],
-    ``hybrid_context_parallel`` [False], ``max_seqlen_per_dp_cp_rank`` [None], ``seq_length`` [None], ``calculate_per_token_loss`` [False],
+    ``hybrid_context_parallel`` [False], ``max_seqlen_per_dp_cp_rank`` [None], ``seq_length`` [None],
+    ``calculate_per_token_loss`` [False],
     ``cuda_graph_impl`` ["none"], ``enable_cuda_graph`` [False], ``is_hybrid_model`` [False]
 ``cfg.dataset``
     ``enable_global_batch_packing`` [False], ``enable_offline_packing`` [False],
