@@ -38,7 +38,14 @@ CASES: list[Case] = [
         for layout in LAYOUTS
         for m in (1, 2)
     ],
-    Case(Layout(1, 2, 2), "default_dynamic_cp", dynamic_cp=True, steps=2, num_microbatches=16, max_seqlen_per_dp_cp_rank=32),
+    Case(
+        Layout(1, 2, 2),
+        "default_dynamic_cp",
+        dynamic_cp=True,
+        steps=2,
+        num_microbatches=16,
+        max_seqlen_per_dp_cp_rank=32,
+    ),
     Case(Layout(1, 1, 4), "default_dynamic_cp", dynamic_cp=True, steps=1, samples_per_next=3, num_microbatches=4),
 ]
 
