@@ -9,6 +9,9 @@ from mcore_compat.adapters import DYNAMIC_CP_SCHEDULERS, adapter
 from mcore_compat.capabilities import detect
 
 BASE_SCHEDULERS = ("dp_balanced", *DYNAMIC_CP_SCHEDULERS)
+MODEL_SUPPORT_CALL = (
+    "once packing.enable_dynamic_cp_model_support() has been called (the model then follows each bin's group)"
+)
 
 
 def report() -> dict[str, Any]:
@@ -21,8 +24,15 @@ def report() -> dict[str, Any]:
         for name in names
         for dynamic in (False, True)
     ]
+    data_probe = getattr(chosen, "data_probe", None)
     for row in rows:
         row["runnable"] = row["reason"] is None
+        row["needs_model_support"] = (
+            not row["runnable"]
+            and row["dynamic_cp"]
+            and data_probe is not None
+            and data_probe(row["scheduler"], dynamic_cp=True) is None
+        )
     return {
         "generation": caps.generation,
         "adapter": chosen.name,
@@ -55,6 +65,8 @@ def format_report(data: dict[str, Any]) -> str:
     for row in data["schedulers"]:
         mode = "dynamic CP" if row["dynamic_cp"] else "static CP"
         verdict = f"runs ({data['backend']} backend)" if row["runnable"] else f"no: {row['reason']}"
+        if row.get("needs_model_support"):
+            verdict = f"runs (portable backend) {MODEL_SUPPORT_CALL}"
         lines.append(f"  {row['scheduler']:<20} {mode:<10}  {verdict}")
     lines += ["", "global-batch packing: " + ("available" if data["runnable"] else "NOT available")]
     return "\n".join(lines)

@@ -42,6 +42,12 @@ class MainM3Adapter(NativeSchedulerAdapter):
             return self._portable.probe(scheduler, dynamic_cp=dynamic_cp)
         return super().probe(scheduler, dynamic_cp=dynamic_cp)
 
+    def data_probe(self, scheduler: str, *, dynamic_cp: bool = False) -> str | None:
+        """The probe without the model side (see :meth:`PortableAdapter.data_probe`)."""
+        if dynamic_cp or scheduler in DYNAMIC_CP_SCHEDULERS:
+            return self._portable.data_probe(scheduler, dynamic_cp=dynamic_cp)
+        return super().probe(scheduler, dynamic_cp=dynamic_cp)
+
     def wrap(self, data_iterator: Any, model_config: Any, num_microbatches: int, pg_collection: Any) -> WrapResult:
         if self.dynamic_cp_enabled(model_config):
             return self._portable.wrap(data_iterator, model_config, num_microbatches, pg_collection)

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from mcore_compat import dynamic_cp
+from mcore_compat import dynamic_cp as dynamic_cp_support
 from mcore_compat.adapters.base import DYNAMIC_CP_SCHEDULERS, PackedBatch, PackingAdapter, WrapResult
 from mcore_compat.capabilities import Capabilities
 from mcore_compat.generations import DYNAMIC_CP_PIN
@@ -143,6 +143,13 @@ class PortableAdapter(PackingAdapter):
         )
 
     def probe(self, scheduler: str, *, dynamic_cp: bool = False) -> str | None:
+        reason = self.data_probe(scheduler, dynamic_cp=dynamic_cp)
+        if reason is not None or not dynamic_cp:
+            return reason
+        return self.dynamic_cp_refusal()
+
+    def data_probe(self, scheduler: str, *, dynamic_cp: bool = False) -> str | None:
+        """The probe without the model side: whether the data path runs (dynamic CP: once the model follows)."""
         if not dynamic_cp and scheduler == SCHEDULER:
             return None
         if not dynamic_cp and scheduler not in DYNAMIC_CP_SCHEDULERS:
@@ -150,19 +157,22 @@ class PortableAdapter(PackingAdapter):
                 f"sequence_packing_scheduler={scheduler!r} is not a Megatron-Core scheduler name; the portable "
                 f"backend runs {SCHEDULER!r} (exact spelling)"
             )
-        return self.scheduler_mismatch(scheduler, dynamic_cp) or self.dynamic_cp_refusal()
+        return self.scheduler_mismatch(scheduler, dynamic_cp) or self._missing_sub_groups()
 
-    def dynamic_cp_refusal(self, model_config: Any = None) -> str | None:
-        """Why ``default_dynamic_cp`` cannot run here: no DP x CP sub-groups, or a model that ignores them."""
+    def _missing_sub_groups(self) -> str | None:
         caps = self.capabilities
         if caps.dynamic_cp_group_getter is None or not {"local_cp_size", "cp_group"} <= set(self._psp_fields):
             return self.refusal(
                 "dynamic context parallelism needs Megatron-Core's DP x CP sub-groups "
                 "(parallel_state.get_hybrid_data_context_parallel_groups) and PackedSeqParams.local_cp_size, "
                 "which this pin lacks",
-                pin=dynamic_cp.first_dynamic_cp_pin() or DYNAMIC_CP_PIN,
+                pin=dynamic_cp_support.first_dynamic_cp_pin() or DYNAMIC_CP_PIN,
             )
-        return dynamic_cp.model_refusal(caps, model_config)
+        return None
+
+    def dynamic_cp_refusal(self, model_config: Any = None) -> str | None:
+        """Why ``default_dynamic_cp`` cannot run here: no DP x CP sub-groups, or a model that ignores them."""
+        return self._missing_sub_groups() or dynamic_cp_support.model_refusal(self.capabilities, model_config)
 
     # -- wrap: one step -------------------------------------------------------------------------
 
@@ -200,8 +210,8 @@ class PortableAdapter(PackingAdapter):
         reason = self.dynamic_cp_refusal(model_config)
         if reason is not None:
             raise ValueError(reason)
-        min_size = dynamic_cp.check_dynamic_cp_rules(self.capabilities, model_config, pg)
-        dynamic_cp.require_dynamic_cp_groups(self.capabilities, pg.dp_cp.size(), min_size)
+        min_size = dynamic_cp_support.check_dynamic_cp_rules(self.capabilities, model_config, pg)
+        dynamic_cp_support.require_dynamic_cp_groups(self.capabilities, pg.dp_cp.size(), min_size)
         tp = pg.tp
         device = exchange.group_device(pg.dp_cp)
         if tp.rank() != 0:
@@ -376,7 +386,9 @@ class PortableAdapter(PackingAdapter):
             """This rank's (CP size, CP rank) for a microbatch: the static group, or the bin's DP x CP sub-group."""
             if local_cp_size == 0:
                 return cp.size(), cp.rank()
-            group = groups.setdefault(local_cp_size, dynamic_cp.dynamic_cp_group(self.capabilities, local_cp_size))
+            group = groups.setdefault(
+                local_cp_size, dynamic_cp_support.dynamic_cp_group(self.capabilities, local_cp_size)
+            )
             return local_cp_size, 0 if group is None else group.rank()
 
         dynamic_step = self.dynamic_cp_enabled(model_config)
