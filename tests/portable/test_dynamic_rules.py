@@ -9,6 +9,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch.distributed as dist
 
 import packing
 from mcore_compat import adapters, dynamic_cp
@@ -146,3 +147,41 @@ def test_wrap_raises_the_rules_before_any_collective():
         return
     with pytest.raises(ValueError, match="calculate_per_token_loss=False"):
         portable.wrap(iter(()), config, 1, _pg(2, 2))
+
+
+class _Group:
+    def __init__(self, ranks: list[int]) -> None:
+        self.ranks = ranks
+
+    def size(self) -> int:
+        return len(self.ranks)
+
+
+@pytest.mark.parametrize(
+    ("groups", "match"),
+    [
+        ({2: [0, 1], 4: [0, 1, 2, 3]}, None),
+        ({4: [0, 1, 2, 3]}, r"group_size=2\) returned none"),
+        ({2: [2, 3], 4: [0, 1, 2, 3]}, r"group_size=2\) returned a group of 2 ranks \[2, 3\]"),
+        ({2: [0, 1, 2], 4: [0, 1, 2, 3]}, "returned a group of 3 ranks"),
+    ],
+)
+def test_missing_sub_groups_are_named_with_the_init_keywords(monkeypatch, groups, match):
+    """As after ``initialize_model_parallel`` without the dynamic/hybrid keyword (no collective involved)."""
+    parallel_state = importlib.import_module("megatron.core.parallel_state")
+
+    def getter(check_initialized: bool = True, group_size: int | None = None) -> _Group:
+        return _Group(groups[group_size])  # KeyError where the pin has no such group, as Megatron-Core's own
+
+    monkeypatch.setattr(parallel_state, "fake_dynamic_groups", getter, raising=False)
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(dist, "get_process_group_ranks", lambda group: group.ranks)
+    caps = dataclasses.replace(
+        CAPS, dynamic_cp_group_getter="fake_dynamic_groups", init_cp_keywords=("hybrid_context_parallel",)
+    )
+    if match is None:
+        dynamic_cp.require_dynamic_cp_groups(caps, 4, 1)
+        return
+    with pytest.raises(ValueError, match=match) as raised:
+        dynamic_cp.require_dynamic_cp_groups(caps, 4, 1)
+    assert "hybrid_context_parallel=True" in str(raised.value)
