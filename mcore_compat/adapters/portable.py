@@ -17,6 +17,11 @@ One step (``wrap``), on TP rank 0 of each data-owning PP stage:
 
 One microbatch (``get_batch``): TP rank 0 takes the next packed dict, slices it for its CP rank
 (zigzag) and broadcasts one packed buffer over TP; every rank builds the 7-tuple.
+
+``default_dynamic_cp`` (pins with DP x CP sub-groups: G1 and main, PP = 1) follows the same steps with
+the plan of :mod:`mcore_compat.portable.dynamic`: each DP x CP rank gets, per microbatch, the bin of its
+group (its samples sent over DP within each CP lane), sliced for its rank in the pin's sub-group of the
+bin's size; ``PackedSeqParams.local_cp_size`` is that size and ``cp_group`` that group (None without CP).
 """
 
 from __future__ import annotations
@@ -58,7 +63,6 @@ from mcore_compat.portable.schedule import judge, plan_dp_balanced, step_table
 SCHEDULER = "dp_balanced"
 _STEP_WIDTH = VERDICT_WIDTH + 3  # verdict, microbatch count, seqlen sum, seqlen squared sum
 _MICROBATCH_HEADER = VERDICT_WIDTH + 4  # verdict, len(cu_seqlens), local tokens, max_seqlen, local_cp_size (0: static)
-DYNAMIC_SCHEDULER = DYNAMIC_CP_SCHEDULERS[0]
 
 
 @dataclass(frozen=True)
