@@ -35,6 +35,9 @@ __all__ = [
 ]
 
 BASE_SCHEDULERS = (*PORTABLE_SCHEDULERS, *DYNAMIC_CP_SCHEDULERS)
+MODEL_SUPPORT_CALL = (
+    "once packing.enable_dynamic_cp_model_support() has been called (the model then follows each bin's group)"
+)
 CUSTOM_PIN = "custom"
 NO_PIN = "none"
 
@@ -121,8 +124,15 @@ def report() -> dict[str, Any]:
         for name in names
         for dynamic in (False, True)
     ]
+    data_probe = getattr(chosen, "data_probe", None)
     for row in rows:
         row["runnable"] = row["reason"] is None
+        row["needs_model_support"] = (
+            not row["runnable"]
+            and row["dynamic_cp"]
+            and data_probe is not None
+            and data_probe(row["scheduler"], dynamic_cp=True) is None
+        )
     found = versions(caps)
     return {
         "versions": found,
@@ -167,6 +177,8 @@ def format_report(data: Mapping[str, Any], verbose: bool = False) -> str:
     for row in sorted(data["schedulers"], key=lambda row: not row["runnable"]):
         mode = "dynamic CP" if row["dynamic_cp"] else "static CP"
         answer = f"runs ({data['backend']} backend)" if row["runnable"] else f"no: {row['reason']}"
+        if row.get("needs_model_support"):
+            answer = f"runs (portable backend) {MODEL_SUPPORT_CALL}"
         lines.append(f"  {row['scheduler']:<{width}}  {mode:<10}  {answer}")
     found = data["versions"]
     lines += [

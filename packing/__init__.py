@@ -28,7 +28,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from mcore_compat import adapter
+from mcore_compat import adapter, detect
 from mcore_compat.adapters import DYNAMIC_CP_SCHEDULERS
 from mcore_compat.adapters.base import pin_hint, pins_running
 from mcore_compat.adapters.native import no_data
@@ -47,6 +47,7 @@ __all__ = [
     "UnsupportedPinError",
     "WrapResult",
     "dynamic_context_parallel_enabled",
+    "dynamic_cp_initialize_keywords",
     "enable_dynamic_cp_model_support",
     "finalize_packed_seq_params",
     "get_batch_for_global_batch_packing",
@@ -99,6 +100,21 @@ def _accepted_parameters(fn: Callable[..., Any]) -> frozenset[str]:
 def _thd_cp_route_prebuilder() -> Callable[..., None] | None:
     """Return Megatron-Core's THD CP partition-route prebuild, or None if the release has no CP layout routes."""
     return route_prebuilder() if adapter().capabilities.has_route_prebuilder else None
+
+
+def dynamic_cp_initialize_keywords(min_size: int = 1) -> dict[str, Any]:
+    """The ``parallel_state.initialize_model_parallel`` keywords that turn on dynamic CP's DP x CP sub-groups.
+
+    Read from the installed Megatron-Core's signature: ``{"dynamic_context_parallel": True,
+    "min_dynamic_context_parallel_size": min_size}`` on dev, ``{"hybrid_context_parallel": True}`` on
+    releases 0.16.1-0.19.2 and main. Raises ``ValueError`` on pins without such groups (0.13-0.15).
+    Where the model config has no ``dynamic_context_parallel`` field (releases, main), set it after
+    construction: ``config.dynamic_context_parallel = True`` (with ``min_dynamic_context_parallel_size``
+    and ``sequence_packing_scheduler = "default_dynamic_cp"``); keep ``config.hybrid_context_parallel`` False.
+    """
+    from mcore_compat.dynamic_cp import dynamic_cp_initialize_keywords as keywords
+
+    return keywords(detect(), min_size)
 
 
 def probe_global_batch_packing_support(scheduler: str, *, dynamic_cp: bool = False) -> str | None:

@@ -10,7 +10,8 @@ because validation writes to them.
     ``pipeline_model_parallel_size`` [1], ``virtual_pipeline_model_parallel_size`` [None],
     ``data_parallel_size`` [None], ``sequence_parallel`` [False], ``sequence_packing_scheduler`` [None],
     ``dynamic_context_parallel`` [False], ``min_dynamic_context_parallel_size`` [1],
-    ``max_seqlen_per_dp_cp_rank`` [None], ``seq_length`` [None], ``calculate_per_token_loss`` [False],
+    ``hybrid_context_parallel`` [False], ``max_seqlen_per_dp_cp_rank`` [None], ``seq_length`` [None],
+    ``calculate_per_token_loss`` [False],
     ``cuda_graph_impl`` ["none"], ``enable_cuda_graph`` [False], ``is_hybrid_model`` [False]
 ``cfg.dataset``
     ``enable_global_batch_packing`` [False], ``enable_offline_packing`` [False],
@@ -42,6 +43,7 @@ import math
 from typing import Any, NamedTuple
 
 import packing as facade
+from mcore_compat import detect
 from mcore_compat.errors import PackingConfigError, UnsupportedPinError
 from mcore_compat.portable import SCHEDULERS as PORTABLE_SCHEDULERS
 from packing.global_batch import REQUIRED_SAMPLE_KEYS, alignment_multiple
@@ -65,6 +67,7 @@ CONFIG_DEFAULTS: dict[str, Any] = {
     "model.sequence_packing_scheduler": None,
     "model.dynamic_context_parallel": False,
     "model.min_dynamic_context_parallel_size": 1,
+    "model.hybrid_context_parallel": False,
     "model.max_seqlen_per_dp_cp_rank": None,
     "model.seq_length": None,
     "model.calculate_per_token_loss": False,
@@ -232,6 +235,15 @@ def _dynamic_cp(cfg: Any) -> bool:
     value = _get(cfg, "model.dynamic_context_parallel")
     if not isinstance(value, bool):
         raise _invalid("model.dynamic_context_parallel", value, "set it to True or False")
+    hybrid = _get(cfg, "model.hybrid_context_parallel")
+    if hybrid is True and "dynamic_context_parallel" not in detect().packing_config_fields:
+        raise _invalid(
+            "model.hybrid_context_parallel",
+            hybrid,
+            "on this Megatron-Core it diverts every step into its own hybrid-CP schedule, which does not run packed "
+            "microbatches; leave it False and set model.dynamic_context_parallel=True (after constructing the "
+            "config) for dynamic CP",
+        )
     return facade.dynamic_context_parallel_enabled(cfg.model)
 
 

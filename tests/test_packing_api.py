@@ -32,6 +32,7 @@ PACKING_ALL = [
     "UnsupportedPinError",
     "WrapResult",
     "dynamic_context_parallel_enabled",
+    "dynamic_cp_initialize_keywords",
     "enable_dynamic_cp_model_support",
     "finalize_packed_seq_params",
     "get_batch_for_global_batch_packing",

@@ -4,12 +4,22 @@ from __future__ import annotations
 
 import importlib
 import itertools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mcore_compat.runtime as runtime
-from mcore_compat.adapters.base import FETCH_ARITY, PackedBatch, PackingAdapter, WrapResult
+from mcore_compat.adapters.base import (
+    DYNAMIC_CP_SCHEDULERS,
+    FETCH_ARITY,
+    PackedBatch,
+    PackingAdapter,
+    RoutePrebuilder,
+    WrapResult,
+)
 from mcore_compat.agreement import agree
 from mcore_compat.capabilities import Capabilities
+
+if TYPE_CHECKING:
+    from mcore_compat.adapters.portable import PortableAdapter
 from mcore_compat.contract import SAMPLE_FORMS, LocalBatch, convert_items, read_step
 from mcore_compat.generations import FETCH_FUNCTION, SCHEDULER_MODULE, WRAP_FUNCTION
 from mcore_compat.portable import SCHEDULERS as PORTABLE_SCHEDULERS
@@ -35,7 +45,7 @@ class NativeSchedulerAdapter(PackingAdapter):
         module = importlib.import_module(SCHEDULER_MODULE)
         self._wrap = getattr(module, WRAP_FUNCTION)
         self._fetch = getattr(module, FETCH_FUNCTION)
-        self._portable_adapter: PackingAdapter | None = None
+        self._portable_adapter: PortableAdapter | None = None
 
     @classmethod
     def speaks(cls, capabilities: Capabilities) -> bool:
@@ -49,7 +59,7 @@ class NativeSchedulerAdapter(PackingAdapter):
         )
 
     def probe(self, scheduler: str, *, dynamic_cp: bool = False) -> str | None:
-        if self._runs_portably(scheduler):
+        if self._runs_portably(scheduler, dynamic_cp):
             return self._portable().probe(scheduler, dynamic_cp=dynamic_cp)
         return (
             self.unknown_scheduler(scheduler, (*self.capabilities.scheduler_names, *PORTABLE_SCHEDULERS))
@@ -62,12 +72,33 @@ class NativeSchedulerAdapter(PackingAdapter):
 
     # -- schedulers Megatron-Core's registry lacks run on the portable backend ------------------
 
-    def _runs_portably(self, scheduler: Any) -> bool:
-        """A portable scheduler name that this pin's (readable) registry does not hold."""
-        registry = self.capabilities.scheduler_names
-        return scheduler in PORTABLE_SCHEDULERS and bool(registry) and not self._registered(scheduler)
+    def data_probe(self, scheduler: str, *, dynamic_cp: bool = False) -> str | None:
+        """The probe without the model side (see :meth:`PortableAdapter.data_probe`)."""
+        if self._runs_portably(scheduler, dynamic_cp):
+            return self._portable().data_probe(scheduler, dynamic_cp=dynamic_cp)
+        return self.probe(scheduler, dynamic_cp=dynamic_cp)
 
-    def _portable(self) -> PackingAdapter:
+    def _runs_portably(self, scheduler: Any, dynamic_cp: bool) -> bool:
+        """What the portable backend runs here: a portable scheduler name the pin's (readable) registry lacks,
+        and dynamic CP where MCore's own scheduler does not form dynamic groups (main: its registry has no
+        ``default_dynamic_cp``, but the pin has DP x CP sub-groups; dev commits before G4 are pointed at the dev
+        commits whose own scheduler runs it)."""
+        registry = self.capabilities.scheduler_names
+        if scheduler in PORTABLE_SCHEDULERS and bool(registry) and not self._registered(scheduler):
+            return True
+        return (
+            dynamic_cp
+            and scheduler in DYNAMIC_CP_SCHEDULERS
+            and self.facts.lineage != "dev"
+            and not self.facts.runs_dynamic_cp_natively
+            and self.capabilities.dynamic_cp_group_getter is not None
+        )
+
+    def _config_runs_portably(self, model_config: Any) -> bool:
+        scheduler = getattr(model_config, "sequence_packing_scheduler", None)
+        return self._runs_portably(scheduler, self.dynamic_cp_enabled(model_config))
+
+    def _portable(self) -> PortableAdapter:
         if self._portable_adapter is None:
             from mcore_compat.adapters.portable import PortableAdapter
 
@@ -80,7 +111,7 @@ class NativeSchedulerAdapter(PackingAdapter):
         MCore pulls the checked items (converted into a form it reads, where the pin needs that)
         from a replaying iterator, so it sees what it would have pulled from ``data_iterator``.
         """
-        if self._runs_portably(getattr(model_config, "sequence_packing_scheduler", None)):
+        if self._config_runs_portably(model_config):
             return self._portable().wrap(data_iterator, model_config, num_microbatches, pg_collection)
         self._check_runtime_config(model_config)
         self.require_runnable(model_config)
@@ -134,7 +165,7 @@ class NativeSchedulerAdapter(PackingAdapter):
     def get_batch(
         self, data_iterator: Any, model_config: Any, *, pg_collection: Any, vp_stage: int | None
     ) -> PackedBatch:
-        if self._runs_portably(getattr(model_config, "sequence_packing_scheduler", None)):
+        if self._config_runs_portably(model_config):
             portable = self._portable()
             return portable.get_batch(data_iterator, model_config, pg_collection=pg_collection, vp_stage=vp_stage)
         kwargs: dict[str, Any] = {
@@ -151,6 +182,17 @@ class NativeSchedulerAdapter(PackingAdapter):
         iterator = data_iterator if pg_collection.tp.rank() == 0 else None
         batch = tuple(self._fetch(iterator, **kwargs))
         return PackedBatch(*batch, *(None,) * (FETCH_ARITY - len(batch)))
+
+    def finalize(
+        self, packed_seq_params: Any, pg_collection: Any, *, route_prebuilder: RoutePrebuilder | None = None
+    ) -> Any:
+        """A dynamic-CP microbatch the portable backend packed keeps its own group (as on the portable pins)."""
+        portable = (
+            getattr(packed_seq_params, "local_cp_size", None) is not None and not self.facts.runs_dynamic_cp_natively
+        )
+        if portable:
+            return self._portable().finalize(packed_seq_params, pg_collection, route_prebuilder=route_prebuilder)
+        return super().finalize(packed_seq_params, pg_collection, route_prebuilder=route_prebuilder)
 
     def _count_fetch(self, vp_stage: int | None) -> None:
         """Raise ``StopIteration`` on every TP rank for a fetch past the microbatch count ``wrap`` returned.

@@ -26,6 +26,7 @@ SAMPLE_KEYS: tuple[str, ...] = (
     "cu_seqlens",
     "cu_seqlens_padded",
     "max_seqlen",
+    "local_cp_size",
 )
 """Keys a problem record can name, by index."""
 

@@ -88,16 +88,12 @@ def contiguous_split(cu_seqlens_padded: torch.Tensor, total_tokens: int, cp_size
 
 
 def _init_parallel_state(case: Case) -> None:
-    from mcore_compat import detect
+    import packing
 
     parallel_state = importlib.import_module("megatron.core.parallel_state")
     keywords: dict[str, Any] = {}
     if case.dynamic_cp:
-        accepted = detect().init_cp_keywords
-        if "dynamic_context_parallel" in accepted:
-            keywords["dynamic_context_parallel"] = True
-        if "min_dynamic_context_parallel_size" in accepted:
-            keywords["min_dynamic_context_parallel_size"] = case.min_dynamic_cp_size
+        keywords = packing.dynamic_cp_initialize_keywords(case.min_dynamic_cp_size)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=case.layout.tp,
         pipeline_model_parallel_size=1,
@@ -153,7 +149,13 @@ def _int(value: Any) -> int | None:
 def _record(batch: tuple[Any, ...], psp: Any, pg_collection: Any) -> MicrobatchRecord:
     tokens, labels, loss_mask, attention_mask, position_ids, _, padding_mask = batch
     attached = getattr(psp, "cp_group", None)
-    group = pg_collection.cp if attached is None else attached
+    local_cp_size = getattr(psp, "local_cp_size", None)
+    group_ranks: tuple[int, ...]
+    if attached is None and local_cp_size == 1:
+        group_ranks, group_rank = (dist.get_rank(),), 0  # a dynamic-CP bin without CP runs on this rank alone
+    else:
+        group = pg_collection.cp if attached is None else attached
+        group_ranks, group_rank = tuple(dist.get_process_group_ranks(group)), group.rank()
     route_set = getattr(psp, "cp_partition_route", None) is not None if hasattr(psp, "cp_partition_route") else None
     return MicrobatchRecord(
         tokens=_clone(tokens),
@@ -169,9 +171,9 @@ def _record(batch: tuple[Any, ...], psp: Any, pg_collection: Any) -> MicrobatchR
         cu_seqlens_kv_padded=_clone(getattr(psp, "cu_seqlens_kv_padded", None)),
         max_seqlen_q=_int(getattr(psp, "max_seqlen_q", None)),
         max_seqlen_kv=_int(getattr(psp, "max_seqlen_kv", None)),
-        local_cp_size=_int(getattr(psp, "local_cp_size", None)),
-        cp_group_ranks=tuple(dist.get_process_group_ranks(group)),
-        cp_group_rank=group.rank(),
+        local_cp_size=_int(local_cp_size),
+        cp_group_ranks=group_ranks,
+        cp_group_rank=group_rank,
         route_set=route_set,
     )
 
@@ -221,6 +223,8 @@ def run_case_on_rank(rank: int, case: Case) -> CaseResult:
     with cpu_patches(context_parallel=case.layout.cp > 1, dynamic_cp=case.dynamic_cp, partition=partition) as applied:
         import packing
 
+        if case.dynamic_cp and hasattr(packing, "enable_dynamic_cp_model_support"):
+            packing.enable_dynamic_cp_model_support()  # as a trainer does before building its model
         reason = packing.probe_global_batch_packing_support(case.scheduler, dynamic_cp=case.dynamic_cp)
         if reason is not None:
             return CaseResult(case, rank, skipped=reason, patches=applied, **_pin())

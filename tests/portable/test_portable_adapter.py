@@ -95,7 +95,6 @@ on_portable_pin = pytest.mark.skipif(not PORTABLE_PIN, reason="needs an installe
     [
         ("dp_balanced", False, None),
         ("dp_balanced", True, "does not form dynamic context-parallel groups"),
-        ("default_dynamic_cp", True, "dynamic context parallelism needs Megatron-Core's native scheduler"),
         ("default_dynamic_cp", False, "set dynamic_context_parallel=True"),
         ("DP_BALANCED", False, "did you mean 'dp_balanced'"),
     ],
@@ -109,4 +108,3 @@ def test_probe_on_the_installed_release(scheduler, dynamic_cp, expected):
         assert reason is None
     else:
         assert expected in reason
-        assert (detect().describe() in reason) == ("native scheduler" in expected), reason
