@@ -9,6 +9,8 @@ For the first commit of every generation in the table and both pinned tips (``MC
   The probe must return None exactly when reality is a success.
 * where the probe refuses, the gated facade must raise that same sentence on every rank (before any collective:
   the gate is the first thing ``wrap`` does, and a rank that entered a collective would time out here).
+* every rank first calls ``packing.enable_dynamic_cp_model_support()``, as a trainer does before building its
+  model (dynamic CP on releases and main is runnable only then);
 * the two mismatched requests (``dp_balanced`` with dynamic CP, ``default_dynamic_cp`` without) are configuration
   mistakes on every pin: refused, with the same sentence from the gated facade.
 
@@ -68,6 +70,7 @@ def _gated_error(case: Case) -> str | None:
 def _on_rank(rank: int, world_size: int, requests: list[tuple[str, bool]]) -> list[dict[str, Any]]:
     import packing
 
+    packing.enable_dynamic_cp_model_support()  # what a trainer calls once before building its model
     results = []
     for scheduler, dynamic in requests:
         case = Case(LAYOUT, scheduler, dynamic_cp=dynamic, steps=2)
