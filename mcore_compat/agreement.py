@@ -112,7 +112,7 @@ def agree(batch: LocalBatch | None, num_microbatches: int, pg_collection: Any) -
         digest(batch),
     )
     words = row.words()
-    if dist.get_world_size() > 1:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         local = torch.tensor(words, dtype=torch.int64, device=_device())
         out = torch.empty(dist.get_world_size() * ROW_WIDTH, dtype=torch.int64, device=local.device)
         dist.all_gather_single(out, local)  # torch 2.13 deprecates all_gather_into_tensor for it
