@@ -45,5 +45,6 @@ def test_balanced_runs_with_static_cp_only(src):
     found = _probe(src)
     assert found["static"] is None, found
     assert found["dp_balanced"] is None, found
-    assert "does not form dynamic context-parallel groups" in found["dynamic"], found
+    assert "plans static context-parallel bins" in found["dynamic"], found
+    assert "Switch the Megatron-Core pin" in found["dynamic"], found
     assert found["doctor"] == [True, False], found

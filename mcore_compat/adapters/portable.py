@@ -150,7 +150,11 @@ class PortableAdapter(PackingAdapter):
         if not dynamic_cp and scheduler in SCHEDULERS:
             return None
         if dynamic_cp and scheduler in SCHEDULERS and scheduler != SCHEDULER:
-            return self.scheduler_mismatch(scheduler, dynamic_cp)
+            return self.refusal(
+                f"sequence_packing_scheduler={scheduler!r} plans static context-parallel bins; with "
+                f"dynamic_context_parallel=True use {DYNAMIC_CP_SCHEDULERS[0]!r}",
+                pin=DYNAMIC_CP_PIN,
+            )
         if not dynamic_cp and scheduler not in DYNAMIC_CP_SCHEDULERS:
             return self.refusal(
                 f"sequence_packing_scheduler={scheduler!r} is not a Megatron-Core scheduler name; the portable "
