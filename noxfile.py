@@ -1,9 +1,10 @@
 """nox sessions: ``lint``, a fast ``tests`` run, ``demo`` and one real-install session per Megatron-Core pin.
 
     nox -l                           list the sessions
-    nox                              lint + tests (fast: no Megatron-Core installed; $MCORE_SRC checkouts if set)
+    nox                              lint (ruff, mypy) + tests (fast: no Megatron-Core; $MCORE_SRC checkouts if set)
     nox -s test-mcore-core_r0_16     install megatron-core 0.16.1 for real, then this project, then the whole suite
-    nox -t matrix -j auto            lint + every pin session, concurrently (the README's test command, CI)
+    nox -s wheel                     build the wheel, install it with megatron-core 0.16.1, check it from outside
+    nox -t matrix -j auto            lint + tests + wheel + every pin session, concurrently (README, CI)
 
 The pins, their Python and how each installs live in mcore_compat/pins.toml. Python 3.11/3.12 are found on
 PATH, through pyenv (whose interpreters are not on PATH unless selected), or from $PYTHON_3_11 / $PYTHON_3_12.
@@ -31,6 +32,7 @@ ROOT = Path(__file__).resolve().parent
 MATRIX_TAG = "matrix"
 DEMO_PIN = "core_r0.16"
 RUFF = "ruff==0.17.6"
+MYPY = "mypy==2.4.1"
 
 nox.needs_version = ">=2026.10.20"  # parallel sessions (-j, allow_parallel)
 nox.options.default_venv_backend = "venv"
@@ -39,9 +41,9 @@ if hasattr(nox.options, "download_python"):
     nox.options.download_python = "never"
 
 
-def _load_pins() -> ModuleType:
-    """mcore_compat/pins.py on its own: the package itself may need torch, which nox's environment lacks."""
-    spec = importlib.util.spec_from_file_location("_mcore_compat_pins", ROOT / "mcore_compat" / "pins.py")
+def _load(name: str) -> ModuleType:
+    """A leaf module of mcore_compat on its own: the package itself may need torch, which nox's environment lacks."""
+    spec = importlib.util.spec_from_file_location(f"_mcore_compat_{name}", ROOT / "mcore_compat" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
@@ -49,7 +51,8 @@ def _load_pins() -> ModuleType:
     return module
 
 
-pins = _load_pins()
+pins = _load("pins")
+gitinfo = _load("gitinfo")
 TABLE = pins.load()
 
 
@@ -140,7 +143,7 @@ def _shared_environment(session: nox.Session, series: str) -> Path:
 def _install_pin(session: nox.Session, pin: pins.Pin, project: str = f"{ROOT}[test]") -> tuple[Path, Path | None]:
     """Install ``pin`` and then this project (not editable: the installed package is what users get)."""
     try:
-        source = pins.resolve_source(pin, os.environ)
+        source = pins.resolve_source(pin, os.environ, head=gitinfo.git_head, reachable=gitinfo.git_reachable)
     except pins.SourceUnavailable as exc:
         session.skip(str(exc))
     except pins.PinError as exc:
@@ -179,23 +182,32 @@ def _pin_session(pin: pins.Pin) -> None:
     )
 
 
-@nox.session(python=PY311, tags=[MATRIX_TAG], allow_parallel=True)
+@nox.session(python=PY311, tags=[MATRIX_TAG], allow_parallel=True, reuse_venv=True)
 def lint(session: nox.Session) -> None:
-    """ruff check and ruff format --check."""
-    session.install(RUFF)
+    """ruff check, ruff format --check, and mypy over mcore_compat and packing (pyproject.toml [tool.mypy])."""
+    session.install(RUFF, MYPY, *TABLE.pythons["3.11"].base)
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    session.run("mypy")
 
 
-@nox.session(python=PY311, reuse_venv=True)
+def _lowest(requirement: str) -> str:
+    """``name>=X`` as ``name==X``: the lower bound itself, so that the suite proves it."""
+    return re.sub(r">=", "==", requirement) if re.fullmatch(r"[A-Za-z0-9._-]+>=[0-9.]+", requirement) else requirement
+
+
+@nox.session(python=PY311, reuse_venv=True, tags=[MATRIX_TAG], allow_parallel=True)
 def tests(session: nox.Session) -> None:
-    """Fast: the suite without an installed Megatron-Core (checkouts named by $MCORE_SRC are used by tests)."""
+    """Fast: the suite without Megatron-Core installed, on the lower bounds of this project's dependencies.
+
+    Tests that need Megatron-LM source use the checkout named by $MCORE_SRC.
+    """
     project = nox.project.load_toml(ROOT / "pyproject.toml")["project"]
     source_needs = [req for pin in TABLE.pins.values() if pin.git for req in pin.requires]
     needs = [
         *TABLE.pythons["3.11"].base,
+        *map(_lowest, project["dependencies"]),
         *source_needs,
-        *project["dependencies"],
         *project["optional-dependencies"]["test"],
     ]
     first_by_name: dict[str, str] = {}
@@ -215,6 +227,35 @@ def demo(session: nox.Session) -> None:
         session.error(f"MCORE_PIN={pin.name!r} needs Python {pin.python}; the demo runs on 3.11: pick a 3.11 pin")
     _install_pin(session, pin, project=str(ROOT))
     session.run("mcore-compat", "demo")
+
+
+@nox.session(python=PY311, tags=[MATRIX_TAG], allow_parallel=True, default=False)
+def wheel(session: nox.Session) -> None:
+    """Build the wheel, install it with a release ($MCORE_PIN, default core_r0.16), check it as a pip user meets it.
+
+    tests/test_installed_wheel.py runs every command from outside the checkout, without PYTHONPATH.
+    """
+    pin = TABLE.get(os.environ.get("MCORE_PIN", DEMO_PIN))
+    if pin.package is None or pin.python != "3.11":
+        session.error(f"MCORE_PIN={pin.name!r}: the wheel check needs a Python 3.11 release pin")
+    dist = Path(session.create_tmp()).resolve() / "dist"
+    shutil.rmtree(dist, ignore_errors=True)
+    with _exclusive(session, "project-build"):
+        session.run("python", "-m", "pip", "wheel", "--no-deps", "-w", str(dist), str(ROOT))
+    (built,) = dist.glob("mcore_compat-*.whl")
+    python = Path(session.bin) / "python"
+    _pip(session, python, *TABLE.pythons[pin.python].base, *pins.install_plan(pin)[0], str(built), "pytest")
+    env = {"MCORE_COMPAT_WHEEL_PYTHON": str(python), "PYTHONPATH": str(ROOT)}
+    session.run(
+        str(python),
+        "-m",
+        "pytest",
+        str(ROOT / "tests" / "test_installed_wheel.py"),
+        *session.posargs,
+        env=env,
+        external=True,
+        success_codes=[0],
+    )
 
 
 for _pin in TABLE.pins.values():

@@ -8,7 +8,7 @@ step (counted by wrapping the ``torch.distributed`` functions inside the ranks),
 (slowest rank, mean over the steps after the first) and the ratio portable/native, and whether
 both backends returned identical microbatches on every rank.
 
-    MCORE_SRC=/work/mlm/main python benchmarks/portable_vs_native.py [--layouts 1x2x2,2x1x2] [--samples 32]
+    MCORE_SRC=path/to/Megatron-LM python benchmarks/portable_vs_native.py [--layouts 1x2x2,2x1x2] [--samples 32]
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import argparse
 import collections
 import dataclasses
 import functools
-import importlib
 import os
 import statistics
 import sys
@@ -34,12 +33,22 @@ import torch.distributed as dist  # noqa: E402
 from mcore_compat.adapters import select_adapter  # noqa: E402
 from mcore_compat.adapters.portable import PortableAdapter  # noqa: E402
 from mcore_compat.capabilities import detect  # noqa: E402
-from mcore_compat.testing import Case, Layout, SampleSpec, cpu_patches, launch, locate_mcore, model_config  # noqa: E402
-from mcore_compat.testing.runner import mpu_pg_collection  # noqa: E402
+from mcore_compat.testing import (  # noqa: E402
+    Case,
+    Layout,
+    SampleSpec,
+    cpu_patches,
+    launch,
+    locate_mcore,
+    model_config,
+    model_parallel,
+    mpu_pg_collection,
+)
 
 COLLECTIVES = (
     "all_gather",
     "all_gather_into_tensor",
+    "all_gather_single",
     "all_gather_object",
     "all_reduce",
     "all_to_all",
@@ -122,12 +131,7 @@ def bench_on_rank(rank: int, world_size: int, cases: Sequence[Case], long_fracti
             native = select_adapter(detect())
             if native.backend != "native":
                 raise SystemExit(f"{detect().describe()} has no native scheduler: set MCORE_SRC to the dev or main pin")
-            importlib.import_module("megatron.core.parallel_state").initialize_model_parallel(
-                tensor_model_parallel_size=case.layout.tp,
-                pipeline_model_parallel_size=1,
-                context_parallel_size=case.layout.cp,
-            )
-            try:
+            with model_parallel(case):
                 pg, config = mpu_pg_collection(), model_config(case)
                 spec = dataclasses.replace(case.sample_spec, long_fraction=long_fraction)
                 backends = {"native": native, "portable": PortableAdapter(detect())}
@@ -147,8 +151,6 @@ def bench_on_rank(rank: int, world_size: int, cases: Sequence[Case], long_fracti
                         record[name] = {"counts": dict(counter.counts), "seconds": elapsed, "microbatches": count}
                     record["identical"] = _same(outputs["native"], outputs["portable"])
                     results.append(record)
-            finally:
-                importlib.import_module("megatron.core.parallel_state").destroy_model_parallel()
     return results
 
 

@@ -22,6 +22,7 @@ from typing import Any, Literal
 from mcore_compat.generations import (
     CP_INIT_KEYWORDS,
     DYNAMIC_CP_GROUP_GETTERS,
+    FEATURES,
     FETCH_FUNCTION,
     GENERATIONS,
     PACKING_CONFIG_FIELDS,
@@ -29,8 +30,15 @@ from mcore_compat.generations import (
     SCHEDULER_UTILS_MODULE,
     WRAP_FUNCTION,
     Generation,
+    match,
 )
-from mcore_compat.pins import git_head
+from mcore_compat.gitinfo import git_head
+
+__all__ = [
+    "Capabilities",
+    "detect",
+    "route_prebuilder",
+]
 
 
 @dataclass(frozen=True)
@@ -41,7 +49,9 @@ class Capabilities:
     mcore_commit: str | None
     mcore_path: str | None
     generation: str | None
+    """The generation table row this MCore matches; None when it does not import or matches no row."""
     import_error: str | None
+    features: tuple[str, ...]
     scheduler_module: bool
     scheduler_names: tuple[str, ...]
     registry_key: Literal["str", "enum"] | None
@@ -61,9 +71,19 @@ class Capabilities:
         return GENERATIONS.get(self.generation) if self.generation else None
 
     @property
+    def facts(self) -> Generation:
+        """The matched row; for a shape no row describes, the facts its features imply (feature-first)."""
+        return self.generation_info or _inferred(self)
+
+    @property
     def mcore_importable(self) -> bool:
-        """Whether ``megatron.core`` itself imported."""
-        return self.mcore_version is not None and self.generation is not None
+        """Whether ``megatron.core`` and its scheduler module (where it has one) imported."""
+        return self.mcore_path is not None and self.import_error is None
+
+    @property
+    def unknown_generation(self) -> bool:
+        """Megatron-Core imports, but its shape matches no row of the generation table."""
+        return self.mcore_importable and self.generation is None
 
     @property
     def has_native_scheduler(self) -> bool:
@@ -71,17 +91,53 @@ class Capabilities:
         return self.wrap_params is not None and self.fetch_params is not None
 
     def describe(self) -> str:
-        """``G8 (megatron-core 0.19.0, commit d48bd6be0a)``-style label for messages."""
-        if self.generation is None:
+        """``G8 (megatron-core 0.19.0, commit <sha>)``-style label for messages."""
+        if not self.mcore_importable:
             return "no usable Megatron-Core"
         parts = [f"megatron-core {self.mcore_version}"]
         if self.mcore_commit:
             parts.append(f"commit {self.mcore_commit[:10]}")
-        return f"{self.generation} ({', '.join(parts)})"
+        return f"{self.generation or 'unknown generation'} ({', '.join(parts)})"
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready view."""
         return dataclasses.asdict(self)
+
+
+def _inferred(caps: Capabilities) -> Generation:
+    """Generation facts read off the features of an MCore that matches no row of the table.
+
+    The rules hold for every row (``tests/test_generations.py``): data on every PP stage once the scheduler
+    no longer broadcasts to middle stages; the dynamic-CP rename ends the flag-dispatched hybrid schedule.
+    """
+    features = frozenset(caps.features)
+    keywords = tuple(k for k in ("dynamic_cp", "config") if k in (caps.fetch_params or ()))
+    hybrid_only = "hybrid_context_parallel" in caps.packing_config_fields and (
+        "dynamic_context_parallel" not in caps.packing_config_fields
+    )
+    native = caps.has_native_scheduler
+    return Generation(
+        "unknown",
+        "release",
+        None,
+        "matches no row of the generation table",
+        caps.mcore_path or "",
+        features,
+        frozenset(),
+        "",
+        fetch_keywords=keywords,
+        fetch_arity=None,
+        pipeline_data_stages=(
+            ("first_last" if "utils.broadcast_to_pp_group" in features else "every") if native else None
+        ),
+        sample_forms=("unpacked", "packed") if native else None,
+        dynamic_cp_group_getter=caps.dynamic_cp_group_getter,
+        dynamic_cp_schedulers=tuple(n for n in caps.scheduler_names if n == "default_dynamic_cp")
+        if "dynamic_cp" in keywords
+        else (),
+        schedule_diverts_on="hybrid_context_parallel" if hybrid_only else None,
+        bound_cp_group_switches_attention=hybrid_only,
+    )
 
 
 def _signature_params(fn: Callable[..., Any] | None) -> tuple[str, ...] | None:
@@ -132,29 +188,40 @@ def _scheduler_registry(ds: ModuleType) -> tuple[tuple[str, ...], Literal["str",
     names = {key.value if isinstance(key, enum.Enum) else str(key) for key in registry}
     if enum_type is not None:
         names |= {member.value for member in enum_type}
-    keyed = "enum" if any(isinstance(key, enum.Enum) for key in registry) else "str"
+    keyed: Literal["str", "enum"] = "enum" if any(isinstance(key, enum.Enum) for key in registry) else "str"
     return tuple(sorted(names)), keyed
 
 
-def _dev_generation(
-    fetch_params: tuple[str, ...],
-    ds: ModuleType,
+def _features(
+    ds: ModuleType | None,
     utils: ModuleType | None,
+    psp: ModuleType,
     psp_fields: tuple[str, ...],
+    wrap_params: tuple[str, ...] | None,
+    fetch_params: tuple[str, ...] | None,
+    keyed: str | None,
     has_routes: bool,
-) -> str:
-    if "dynamic_cp" not in fetch_params:
-        return "G3" if hasattr(ds, "DynamicCPDataLoaderWrapper") else "G2"
-    if "config" not in fetch_params:
-        return "G4" if hasattr(utils, "broadcast_to_pp_group") else "G4b"
+) -> frozenset[str]:
+    """The generation-table features (``generations.FEATURES``) this Megatron-Core shows."""
     reroute = getattr(utils, "reroute_samples_to_dcp_ranks", None)
-    if reroute is not None and len(inspect.signature(reroute).parameters) == 7:
-        return "G8"
-    if has_routes:
-        return "G7"
-    if hasattr(_import("megatron.core.packed_seq_params"), "resolve_thd_tail_padding_policy"):
-        return "G6b"
-    return "G6" if "cp_partition_mode" in psp_fields else "G5"
+    observed = {
+        "data_schedule": ds is not None,
+        "wrap": wrap_params is not None,
+        "fetch": fetch_params is not None,
+        "fetch.dynamic_cp": "dynamic_cp" in (fetch_params or ()),
+        "fetch.config": "config" in (fetch_params or ()),
+        "registry.str": keyed == "str",
+        "registry.enum": keyed == "enum" or hasattr(ds, "PackingSchedulerEnum"),
+        "DynamicCPDataLoaderWrapper": hasattr(ds, "DynamicCPDataLoaderWrapper"),
+        "utils.create_data_iterator": hasattr(utils, "create_data_iterator"),
+        "utils.broadcast_to_pp_group": hasattr(utils, "broadcast_to_pp_group"),
+        "utils.reroute_all_gather": reroute is not None and len(inspect.signature(reroute).parameters) == 7,
+        "psp.cp_partition_mode": "cp_partition_mode" in psp_fields,
+        "thd_tail_padding_policy": hasattr(psp, "resolve_thd_tail_padding_policy"),
+        "cp_layout_routes": has_routes,
+    }
+    assert observed.keys() == FEATURES.keys()
+    return frozenset(name for name, present in observed.items() if present)
 
 
 def _route_prebuilder_module() -> ModuleType | None:
@@ -177,6 +244,7 @@ def _unavailable(import_error: str, version: str | None = None, path: str | None
         mcore_path=path,
         generation=None,
         import_error=import_error,
+        features=(),
         scheduler_module=False,
         scheduler_names=(),
         registry_key=None,
@@ -203,7 +271,7 @@ def detect() -> Capabilities:
         return _unavailable(_describe_error(exc))
     except Exception as exc:  # noqa: BLE001 - any import failure is reported, not raised
         return _unavailable(_describe_error(exc))
-    core_dir = Path(core.__file__).resolve().parent
+    core_dir = Path(str(core.__file__)).resolve().parent
     commit = _commit(core_dir)
     version = _version(core, commit)
     try:
@@ -228,32 +296,22 @@ def detect() -> Capabilities:
     fetch_params = _signature_params(getattr(ds, FETCH_FUNCTION, None))
     names, keyed = _scheduler_registry(ds) if ds is not None else ((), None)
 
-    if ds is None:
-        generation = "G0"
-    elif wrap_params is None:
-        if fetch_params is not None:
-            generation = "M2"
-        elif hasattr(utils, "create_data_iterator"):
-            generation = "M1"
-        else:
-            generation = "G1"
-    elif keyed == "enum" or hasattr(ds, "PackingSchedulerEnum"):
-        generation = "M3"
-    else:
-        generation = _dev_generation(fetch_params or (), ds, utils, psp_fields, has_routes)
+    features = _features(ds, utils, psp, psp_fields, wrap_params, fetch_params, keyed, has_routes)
+    row = match(features)
 
     return Capabilities(
         mcore_version=version,
         mcore_commit=commit,
         mcore_path=str(core_dir),
-        generation=generation,
+        generation=row.id if row else None,
         import_error=import_error,
+        features=tuple(sorted(features)),
         scheduler_module=ds is not None,
         scheduler_names=names,
         registry_key=keyed,
         wrap_params=wrap_params,
         fetch_params=fetch_params,
-        fetch_arity=GENERATIONS[generation].fetch_arity,
+        fetch_arity=row.fetch_arity if row else None,
         dynamic_cp_group_getter=next(
             (name for name in DYNAMIC_CP_GROUP_GETTERS if hasattr(parallel_state, name)), None
         ),
@@ -263,3 +321,10 @@ def detect() -> Capabilities:
         init_cp_keywords=tuple(k for k in CP_INIT_KEYWORDS if k in init_params),
         packing_config_fields=tuple(f.name for f in dataclasses.fields(mpc) if f.name in PACKING_CONFIG_FIELDS),
     )
+
+
+__all__ = [
+    "Capabilities",
+    "detect",
+    "route_prebuilder",
+]

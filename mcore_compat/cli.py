@@ -4,29 +4,95 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+import os
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
-from mcore_compat import doctor, pins
+import mcore_compat
+from mcore_compat import pins
+from mcore_compat.gitinfo import git_head, git_reachable
+
+__all__ = ["build_parser", "default_resolve", "main", "pin_main", "switch"]
+
+Runner = Callable[..., subprocess.CompletedProcess[Any]]
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mcore-compat", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"mcore-compat {mcore_compat.__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    doctor_cmd = commands.add_parser("doctor", help="report what the installed Megatron-Core can do")
+    doctor_cmd = commands.add_parser(
+        "doctor", help="what runs on the installed Megatron-Core, what does not and why (exit status 1: nothing runs)"
+    )
     doctor_cmd.add_argument("--json", action="store_true", help="machine-readable output")
+    doctor_cmd.add_argument("--verbose", action="store_true", help="also print the capability record detection read")
     pin_cmd = commands.add_parser("pin", help="list the supported Megatron-Core pins, show or switch this one")
     pin_cmd.add_argument(
         "action",
         metavar="list|status|PIN",
         help="list: pins and how each installs; status: what is installed and which pin it is; "
-        "PIN: install that pin here with pip, then print the doctor table",
+        "PIN: install that pin here with pip, then print the doctor's report",
     )
     commands.add_parser("demo", help="doctor, then one 4-rank CPU packing step through the facade (gloo)")
     _add_plan(commands)
     return parser
 
 
-def _add_plan(commands: argparse._SubParsersAction) -> None:
+def default_resolve(pin: pins.Pin, environ: Mapping[str, str]) -> Path | None:
+    """:func:`mcore_compat.pins.resolve_source` with git: a local checkout at the pin's commit, or None."""
+    return pins.resolve_source(pin, environ, head=git_head, reachable=git_reachable)
+
+
+def switch(
+    name: str,
+    table: pins.PinTable,
+    environ: Mapping[str, str] = os.environ,
+    run: Runner = subprocess.run,
+    python: str = sys.executable,
+    resolve: Callable[[pins.Pin, Mapping[str, str]], Path | None] = default_resolve,
+) -> int:
+    """``pin <name>``: install the pin into this environment with pip (never through a shell), then run the doctor."""
+    pin = table.get(name)
+    pins.check_python(pin)
+    source = resolve(pin, environ)
+    for args in pins.install_plan(pin, source):
+        command = [python, "-m", "pip", "install", *args]
+        print("+", shlex.join(command), flush=True)
+        if (code := run(command, check=False).returncode) != 0:
+            print(f"pip failed (exit status {code}) installing pin {pin.name!r}", file=sys.stderr)
+            return code
+    package_root = str(Path(__file__).resolve().parent.parent)
+    env = {**environ, "PYTHONPATH": os.pathsep.join(filter(None, (package_root, environ.get("PYTHONPATH"))))}
+    doctor = run([python, "-m", "mcore_compat", "doctor"], check=False, env=env).returncode
+    return 0 if doctor in (0, 1) else doctor
+
+
+def pin_main(action: str) -> int:
+    """``mcore-compat pin``; errors print one line and exit with status 2."""
+    try:
+        table = pins.load()
+        if action == "list":
+            print(pins.format_list(table))
+            return 0
+        if action == "status":
+            from mcore_compat import doctor
+            from mcore_compat.capabilities import detect
+
+            caps = detect()
+            print(doctor.format_status(doctor.status_report(caps, table, doctor.installed_version(caps))))
+            return 0
+        return switch(action, table)
+    except pins.PinError as exc:
+        print(f"mcore-compat pin: {exc}", file=sys.stderr)
+        return 2
+
+
+def _add_plan(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     plan_cmd = commands.add_parser(
         "plan",
         help="simulate one step's packing for a layout (no processes): microbatches, padding, DP balance",
@@ -59,15 +125,24 @@ def _add_plan(commands: argparse._SubParsersAction) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "doctor":
-        return doctor.run(as_json=args.json)
+        from mcore_compat import doctor
+
+        return doctor.run(as_json=args.json, verbose=args.verbose)
     if args.command == "pin":
-        return pins.main(args.action)
+        return pin_main(args.action)
     if args.command == "demo":
+        started = time.perf_counter()
         from mcore_compat import demo
 
-        return demo.run()
+        return demo.run(started=started)
     if args.command == "plan":
         from mcore_compat import plan
 
         return plan.main(args)
     raise AssertionError(args.command)
+
+
+__all__ = [
+    "build_parser",
+    "main",
+]

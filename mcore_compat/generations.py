@@ -1,7 +1,27 @@
 """Facts about Megatron-Core's global-batch packing API generations, written once.
 
-Every other module reads generation facts from :data:`GENERATIONS`; nothing else spells out a
-commit hash, a tuple arity or which pipeline stages own data.
+Each :class:`Generation` row says what distinguishes it (the features detection observes, see
+:mod:`mcore_compat.capabilities`) and everything the adapters and the probe need to know about it:
+the packed fetch's optional keywords and tuple arity, which pipeline stages load data, which sample
+forms the scheduler accepts, the dynamic-CP group getter, how the schedule and attention react to
+context-parallel flags and groups, and which adapter serves it. Nothing else in ``mcore_compat`` or
+``packing`` spells out a Megatron-LM commit hash (``pins.toml`` names the pinned commits).
+
+Detection walks :data:`GENERATIONS` and takes the row whose ``requires`` features are all present and
+whose ``excludes`` features are all absent; the rows are written so that at most one matches. A shape
+no row describes is served feature-first by the adapter whose contract its signatures speak.
+
+Adding a generation (``tests/test_generations.py`` fails until every step is done):
+
+1. one row below, with the first commit and the features that set it apart from its neighbours;
+   add a feature name to :data:`FEATURES` (and its observation to ``capabilities._features``) if
+   no existing one distinguishes it;
+2. at most one adapter class under ``mcore_compat/adapters/`` (most rows reuse one), named in the
+   row's ``adapter``;
+3. one fake under ``tests/fake_mcore/`` that builds the row's modules (listed in that family's
+   ``GENERATIONS``);
+4. a pin in ``pins.toml`` if the generation is installable as one, its row in README's support
+   table, and a ``CHANGELOG.md`` entry.
 """
 
 from __future__ import annotations
@@ -9,124 +29,29 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-PipelineDataStages = Literal["first_last", "every"]
-
-
-@dataclass(frozen=True)
-class Generation:
-    """One shape of MCore's packing API, as first seen in one commit."""
-
-    id: str
-    lineage: Literal["release", "dev", "main"]
-    first_commit: str | None
-    summary: str
-    where: str
-    fetch_arity: int | None
-    pipeline_data_stages: PipelineDataStages | None
-
-
-GENERATIONS: dict[str, Generation] = {
-    g.id: g
-    for g in (
-        Generation(
-            "G0", "release", None, "no packing scheduler module", "megatron-core 0.13.1, 0.14.0, 0.15.3", None, None
-        ),
-        Generation(
-            "G1",
-            "release",
-            "98d8c56dbd",
-            "hybrid-CP wrapper only (HybridCPDataLoaderWrapper)",
-            "megatron-core 0.16.1-0.19.2; dev 274e04d21f; main until 574e04ebf8",
-            None,
-            None,
-        ),
-        Generation(
-            "G2",
-            "dev",
-            "5c613abf4e",
-            "string scheduler registry, 5-parameter fetch",
-            "dev from 2026-03-03 (#2924)",
-            6,
-            "first_last",
-        ),
-        Generation(
-            "G3", "dev", "cde56a4692", "hybrid -> dynamic CP rename", "dev from 2026-03-11 (#3405)", 6, "first_last"
-        ),
-        Generation(
-            "G4",
-            "dev",
-            "2d6e946bab",
-            "default_dynamic_cp scheduler, fetch takes dynamic_cp",
-            "dev from 2026-04-07 (#2000)",
-            6,
-            "first_last",
-        ),
-        Generation(
-            "G4b", "dev", "959a542a11", "every PP stage loads its own data", "dev from 2026-06-08 (#4226)", 6, "every"
-        ),
-        Generation(
-            "G5",
-            "dev",
-            "7f9175207d",
-            "fetch takes config, returns padding_mask (7-tuple)",
-            "dev from 2026-06-17 (#4359)",
-            7,
-            "every",
-        ),
-        Generation(
-            "G6", "dev", "bfa33263ca", "PackedSeqParams.cp_partition_mode", "dev from 2026-07-03 (#5087)", 7, "every"
-        ),
-        Generation("G6b", "dev", "1392f28a5a", "THD tail-padding policy", "dev from 2026-07-30 (#5541)", 7, "every"),
-        Generation(
-            "G7",
-            "dev",
-            "3f49de20de",
-            "THD CP-layout routes (prebuild_thd_cp_partition_routes)",
-            "dev from 2026-08-19 (#6387)",
-            7,
-            "every",
-        ),
-        Generation(
-            "G8", "dev", "d48bd6be0a", "all-gather reroute", "dev tip d48bd6be0a (2026-08-21, #6378)", 7, "every"
-        ),
-        Generation(
-            "M1",
-            "main",
-            "574e04ebf8",
-            "data_schedule_utils split, no scheduler",
-            "main from 2026-08-18 (#5903)",
-            None,
-            None,
-        ),
-        Generation(
-            "M2",
-            "main",
-            "c452d5a7ee",
-            "per-rank THD fetch, no wrap_data_iterator",
-            "main from 2026-08-19 (#6625)",
-            7,
-            None,
-        ),
-        Generation(
-            "M3",
-            "main",
-            "a9381be598",
-            "enum scheduler registry (PackingSchedulerEnum)",
-            "main tip d98e8a64dd (2026-08-20, #6684)",
-            7,
-            "first_last",
-        ),
-    )
-}
+__all__ = [
+    "CP_INIT_KEYWORDS",
+    "DYNAMIC_CP_GROUP_GETTERS",
+    "FEATURES",
+    "FETCH_FUNCTION",
+    "MODEL_COMPONENTS",
+    "ModelComponent",
+    "PACKING_CONFIG_FIELDS",
+    "SCHEDULER_MODULE",
+    "SCHEDULER_UTILS_MODULE",
+    "WRAP_FUNCTION",
+    "GENERATIONS",
+    "Generation",
+    "PipelineDataStages",
+    "SampleForm",
+    "match",
+]
 
 SCHEDULER_MODULE = "megatron.core.datasets.data_schedule"
 SCHEDULER_UTILS_MODULE = "megatron.core.datasets.data_schedule_utils"
 WRAP_FUNCTION = "wrap_data_iterator"
 FETCH_FUNCTION = "get_batch_on_this_rank_for_sequence_packing"
-DYNAMIC_CP_GROUP_GETTERS = (
-    "get_dynamic_data_context_parallel_groups",
-    "get_hybrid_data_context_parallel_groups",
-)
+DYNAMIC_CP_GROUP_GETTERS = ("get_dynamic_data_context_parallel_groups", "get_hybrid_data_context_parallel_groups")
 PACKING_CONFIG_FIELDS = (
     "sequence_packing_scheduler",
     "max_seqlen_per_dp_cp_rank",
@@ -139,6 +64,296 @@ PACKING_CONFIG_FIELDS = (
 )
 CP_INIT_KEYWORDS = ("hybrid_context_parallel", "dynamic_context_parallel", "min_dynamic_context_parallel_size")
 
-SWITCH_SCRIPT = "scripts/switch_mcore.sh"
-DYNAMIC_CP_PIN = "dev"
-NATIVE_SCHEDULER_PINS = ("main", "dev")
+PipelineDataStages = Literal["first_last", "every"]
+SampleForm = Literal["unpacked", "packed"]
+ModelComponent = Literal["attention", "te_cp_stream", "mla", "mtp", "moe_aux_loss", "mamba"]
+MODEL_COMPONENTS: tuple[ModelComponent, ...] = ("attention", "te_cp_stream", "mla", "mtp", "moe_aux_loss", "mamba")
+"""Model code paths that must follow a microbatch's dynamic CP group (mcore-api-generations §8.1)."""
+
+FEATURES: dict[str, str] = {
+    "data_schedule": "megatron.core.datasets.data_schedule imports",
+    "wrap": "data_schedule.wrap_data_iterator exists",
+    "fetch": "data_schedule.get_batch_on_this_rank_for_sequence_packing exists",
+    "fetch.dynamic_cp": "the packed fetch takes dynamic_cp",
+    "fetch.config": "the packed fetch takes config",
+    "registry.str": "scheduler_map is keyed by str",
+    "registry.enum": "scheduler_map is keyed by PackingSchedulerEnum",
+    "DynamicCPDataLoaderWrapper": "data_schedule.DynamicCPDataLoaderWrapper exists",
+    "utils.create_data_iterator": "data_schedule_utils.create_data_iterator exists",
+    "utils.broadcast_to_pp_group": "data_schedule_utils.broadcast_to_pp_group exists",
+    "utils.reroute_all_gather": "data_schedule_utils.reroute_samples_to_dcp_ranks takes 7 parameters",
+    "psp.cp_partition_mode": "PackedSeqParams has the field cp_partition_mode",
+    "thd_tail_padding_policy": "packed_seq_params.resolve_thd_tail_padding_policy exists",
+    "cp_layout_routes": "megatron.core.context_parallel_layout is a package with prebuild_thd_cp_partition_routes",
+}
+
+_NATIVE = frozenset({"data_schedule", "wrap", "fetch"})
+_DEV = _NATIVE | {"registry.str"}
+_DEV_DYNAMIC = _DEV | {"fetch.dynamic_cp"}
+_DEV_CONFIG = _DEV_DYNAMIC | {"fetch.config"}
+_DYNAMIC_GETTER, _HYBRID_GETTER = DYNAMIC_CP_GROUP_GETTERS
+_BOTH_FORMS: tuple[SampleForm, ...] = ("unpacked", "packed")
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One shape of MCore's packing API, as first seen in one commit."""
+
+    id: str
+    lineage: Literal["release", "dev", "main"]
+    first_commit: str | None
+    """Abbreviated Megatron-LM commit that introduced the shape (None: before any packing code)."""
+    summary: str
+    where: str
+    requires: frozenset[str]
+    """Features (keys of :data:`FEATURES`) that must all be observed."""
+    excludes: frozenset[str]
+    """Features that must all be absent."""
+    adapter: str
+    """Class name of the adapter that serves this generation."""
+    fetch_keywords: tuple[str, ...] = ()
+    """Optional keywords of the packed fetch beyond the common ones (vpp_size, mtp_on_this_rank, vp_stage,
+    pg_collection): ``dynamic_cp`` from G4, ``config`` from G5."""
+    fetch_arity: int | None = None
+    pipeline_data_stages: PipelineDataStages | None = None
+    """Which PP stages' TP rank 0 load data for MCore's scheduler (None: no native scheduler)."""
+    sample_forms: tuple[SampleForm, ...] | None = None
+    """Sample forms MCore's scheduler accepts from the data iterator (None: no native scheduler)."""
+    dynamic_cp_group_getter: str | None = None
+    """``parallel_state`` function returning the DP x CP sub-group of a given size."""
+    dynamic_cp_schedulers: tuple[str, ...] = ()
+    """Registered scheduler names that form dynamic CP groups."""
+    schedule_diverts_on: str | None = None
+    """Config flag on which ``forward_backward_no_pipelining`` leaves the normal schedule for MCore's own
+    hybrid/dynamic-CP schedule (which expects its data-loader wrapper's output, not THD microbatches)."""
+    bound_cp_group_switches_attention: bool = False
+    """Transformer Engine's attention wrapper treats any ``PackedSeqParams.cp_group`` as a per-microbatch group
+    (dev from G3 reads it only while ``local_cp_size`` is set)."""
+    model_follows_microbatch_cp_group: tuple[ModelComponent, ...] = ()
+    """Model components that run on ``packed_seq_params.cp_group`` from the generation's first commit."""
+
+    @property
+    def native_scheduler(self) -> bool:
+        """Whether MCore itself ships ``wrap_data_iterator`` and the packed fetch."""
+        return _NATIVE <= self.requires
+
+    @property
+    def runs_dynamic_cp_natively(self) -> bool:
+        """Whether MCore's own scheduler forms dynamic CP groups on this generation."""
+        return bool(self.dynamic_cp_schedulers) and "dynamic_cp" in self.fetch_keywords
+
+    def label(self) -> str:
+        """``G4 (dev 2d6e946bab)``-style name for messages."""
+        return f"{self.id} ({self.lineage} {self.first_commit})" if self.first_commit else self.id
+
+
+def _dev(
+    gen: str,
+    commit: str,
+    summary: str,
+    where: str,
+    requires: frozenset[str],
+    excludes: set[str],
+    *,
+    keywords: tuple[str, ...],
+    stages: PipelineDataStages = "every",
+    forms: tuple[SampleForm, ...] = _BOTH_FORMS,
+    follows: tuple[ModelComponent, ...] = MODEL_COMPONENTS,
+) -> Generation:
+    dynamic = "dynamic_cp" in keywords
+    return Generation(
+        gen,
+        "dev",
+        commit,
+        summary,
+        where,
+        requires,
+        frozenset(excludes),
+        "NativeSchedulerAdapter",
+        fetch_keywords=keywords,
+        fetch_arity=7 if "config" in keywords else 6,
+        pipeline_data_stages=stages,
+        sample_forms=forms,
+        dynamic_cp_group_getter=_DYNAMIC_GETTER,
+        dynamic_cp_schedulers=("default_dynamic_cp",) if dynamic else (),
+        model_follows_microbatch_cp_group=follows,
+    )
+
+
+_ROWS = (
+    Generation(
+        "G0",
+        "release",
+        None,
+        "no packing scheduler module",
+        "megatron-core 0.13.1, 0.14.0, 0.15.3",
+        frozenset(),
+        frozenset({"data_schedule"}),
+        "PortableAdapter",
+    ),
+    Generation(
+        "G1",
+        "release",
+        "98d8c56dbd",
+        "hybrid-CP wrapper only (HybridCPDataLoaderWrapper)",
+        "megatron-core 0.16.1-0.19.2; dev 274e04d21f; main until 574e04ebf8",
+        frozenset({"data_schedule"}),
+        frozenset({"wrap", "fetch", "utils.create_data_iterator"}),
+        "PortableAdapter",
+        dynamic_cp_group_getter=_HYBRID_GETTER,
+        schedule_diverts_on="hybrid_context_parallel",
+        bound_cp_group_switches_attention=True,
+    ),
+    Generation(
+        "M1",
+        "main",
+        "574e04ebf8",
+        "data_schedule_utils split, no scheduler",
+        "main from 2026-08-18 (#5903)",
+        frozenset({"data_schedule", "utils.create_data_iterator"}),
+        frozenset({"wrap", "fetch"}),
+        "PortableAdapter",
+        dynamic_cp_group_getter=_HYBRID_GETTER,
+        schedule_diverts_on="hybrid_context_parallel",
+        bound_cp_group_switches_attention=True,
+    ),
+    Generation(
+        "M2",
+        "main",
+        "c452d5a7ee",
+        "per-rank THD fetch, no wrap_data_iterator",
+        "main from 2026-08-19 (#6625)",
+        frozenset({"data_schedule", "fetch"}),
+        frozenset({"wrap"}),
+        "PortableAdapter",
+        fetch_arity=7,
+        dynamic_cp_group_getter=_HYBRID_GETTER,
+        schedule_diverts_on="hybrid_context_parallel",
+        bound_cp_group_switches_attention=True,
+    ),
+    Generation(
+        "M3",
+        "main",
+        "a9381be598",
+        "enum scheduler registry (PackingSchedulerEnum)",
+        "main from 2026-08-20 (#6684) to the main tip",
+        _NATIVE | {"registry.enum"},
+        frozenset({"fetch.dynamic_cp", "fetch.config"}),
+        "NativeSchedulerAdapter",
+        fetch_arity=7,
+        pipeline_data_stages="first_last",
+        sample_forms=_BOTH_FORMS,
+        dynamic_cp_group_getter=_HYBRID_GETTER,
+        schedule_diverts_on="hybrid_context_parallel",
+        bound_cp_group_switches_attention=True,
+    ),
+    Generation(
+        "G2",
+        "dev",
+        "5c613abf4e",
+        "string scheduler registry, 5-parameter fetch",
+        "dev from 2026-03-03 (#2924)",
+        _DEV,
+        frozenset({"fetch.dynamic_cp", "fetch.config", "DynamicCPDataLoaderWrapper"}),
+        "NativeSchedulerAdapter",
+        fetch_arity=6,
+        pipeline_data_stages="first_last",
+        sample_forms=("packed",),
+        dynamic_cp_group_getter=_HYBRID_GETTER,
+        schedule_diverts_on="hybrid_context_parallel",
+        bound_cp_group_switches_attention=True,
+    ),
+    Generation(
+        "G3",
+        "dev",
+        "cde56a4692",
+        "hybrid -> dynamic CP rename",
+        "dev from 2026-03-11 (#3405)",
+        _DEV | {"DynamicCPDataLoaderWrapper"},
+        frozenset({"fetch.dynamic_cp", "fetch.config"}),
+        "NativeSchedulerAdapter",
+        fetch_arity=6,
+        pipeline_data_stages="first_last",
+        sample_forms=("packed",),
+        dynamic_cp_group_getter=_DYNAMIC_GETTER,
+        schedule_diverts_on="dynamic_context_parallel",
+        model_follows_microbatch_cp_group=("attention",),
+    ),
+    _dev(
+        "G4",
+        "2d6e946bab",
+        "default_dynamic_cp scheduler, fetch takes dynamic_cp",
+        "dev from 2026-04-07 (#2000)",
+        _DEV_DYNAMIC | {"utils.broadcast_to_pp_group"},
+        {"fetch.config"},
+        keywords=("dynamic_cp",),
+        stages="first_last",
+        forms=("packed",),
+        follows=("attention", "te_cp_stream", "mtp", "mamba"),
+    ),
+    _dev(
+        "G4b",
+        "959a542a11",
+        "every PP stage loads its own data; unpacked samples are mis-packed until G5",
+        "dev from 2026-06-08 (#4226)",
+        _DEV_DYNAMIC,
+        {"fetch.config", "utils.broadcast_to_pp_group"},
+        keywords=("dynamic_cp",),
+        forms=("packed",),
+        follows=("attention", "te_cp_stream", "mla", "mtp", "mamba"),
+    ),
+    _dev(
+        "G5",
+        "7f9175207d",
+        "fetch takes config, returns padding_mask (7-tuple)",
+        "dev from 2026-06-17 (#4359)",
+        _DEV_CONFIG,
+        {"psp.cp_partition_mode"},
+        keywords=("dynamic_cp", "config"),
+    ),
+    _dev(
+        "G6",
+        "bfa33263ca",
+        "PackedSeqParams.cp_partition_mode",
+        "dev from 2026-07-03 (#5087)",
+        _DEV_CONFIG | {"psp.cp_partition_mode"},
+        {"thd_tail_padding_policy"},
+        keywords=("dynamic_cp", "config"),
+    ),
+    _dev(
+        "G6b",
+        "1392f28a5a",
+        "THD tail-padding policy",
+        "dev from 2026-07-30 (#5541)",
+        _DEV_CONFIG | {"psp.cp_partition_mode", "thd_tail_padding_policy"},
+        {"cp_layout_routes"},
+        keywords=("dynamic_cp", "config"),
+    ),
+    _dev(
+        "G7",
+        "3f49de20de",
+        "THD CP-layout routes (prebuild_thd_cp_partition_routes)",
+        "dev from 2026-08-19 (#6387)",
+        _DEV_CONFIG | {"psp.cp_partition_mode", "thd_tail_padding_policy", "cp_layout_routes"},
+        {"utils.reroute_all_gather"},
+        keywords=("dynamic_cp", "config"),
+    ),
+    _dev(
+        "G8",
+        "d48bd6be0a",
+        "all-gather reroute",
+        "dev from 2026-08-21 (#6378) to the dev tip",
+        _DEV_CONFIG
+        | {"psp.cp_partition_mode", "thd_tail_padding_policy", "cp_layout_routes", "utils.reroute_all_gather"},
+        set(),
+        keywords=("dynamic_cp", "config"),
+    ),
+)
+
+GENERATIONS: dict[str, Generation] = {row.id: row for row in _ROWS}
+
+
+def match(features: frozenset[str]) -> Generation | None:
+    """The row whose markers the observed ``features`` satisfy, or None for a shape no row describes."""
+    found = [row for row in _ROWS if row.requires <= features and not row.excludes & features]
+    return found[0] if len(found) == 1 else None

@@ -1,27 +1,42 @@
-"""The supported Megatron-Core pins and ``mcore-compat pin list | status | <pin>``.
+"""The supported Megatron-Core pins: the parsed ``pins.toml``, where a source pin comes from, how each installs.
 
 The pins live in ``pins.toml`` next to this module (shipped as package data, so an installed
-mcore-compat finds it too). Every command runs pip with an argument list, never through a shell.
+mcore-compat finds it too). This module imports nothing of its package and not torch: ``noxfile.py``
+loads it on its own. The ``mcore-compat pin`` commands are in :mod:`mcore_compat.cli`, the installed
+pin's status next to the doctor (:mod:`mcore_compat.doctor`).
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.metadata
-import os
 import re
 import shlex
-import subprocess
 import sys
 import tomllib
 import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from mcore_compat.capabilities import Capabilities
+__all__ = [
+    "MODES",
+    "PINS_FILE",
+    "SESSION_PREFIX",
+    "SHARED_SOURCE_VARIABLE",
+    "Pin",
+    "PinError",
+    "PinTable",
+    "PythonSeries",
+    "SourceUnavailable",
+    "check_python",
+    "find_checkout",
+    "format_list",
+    "install_plan",
+    "load",
+    "parse",
+    "resolve_source",
+]
 
 PINS_FILE = "pins.toml"
 SESSION_PREFIX = "test-mcore-"
@@ -44,8 +59,6 @@ _PIN_FIELDS = {
 }
 _REQUIRED_PIN_FIELDS = ("python", "generation", "adapter", "runs")
 _PYTHON_FIELDS = {"base": list, "shared": bool}
-
-Runner = Callable[..., subprocess.CompletedProcess[Any]]
 
 
 class PinError(ValueError):
@@ -211,41 +224,11 @@ def load() -> PinTable:
 # -- where a source pin comes from --------------------------------------------------------------
 
 
-def git_head(path: Path) -> str | None:
-    """The commit checked out at ``path`` when ``path`` is the root of a git checkout, else None."""
-    try:
-        out = subprocess.run(
-            ["git", "-C", str(path), "rev-parse", "--show-toplevel", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    lines = out.stdout.split()
-    if out.returncode != 0 or len(lines) != 2 or Path(lines[0]).resolve() != path.resolve():
-        return None
-    return lines[1]
+def find_checkout(pin: Pin, environ: Mapping[str, str], head: Callable[[Path], str | None]) -> Path | None:
+    """A local checkout at the pin's commit: ``$MCORE_SRC_<PIN>`` (must match), else ``$MCORE_SRC`` if it does.
 
-
-def git_reachable(url: str, timeout: float = 30.0) -> bool:
-    """Whether ``git ls-remote`` reaches ``url`` within ``timeout`` seconds."""
-    try:
-        out = subprocess.run(
-            ["git", "ls-remote", "--exit-code", url, "HEAD"],
-            capture_output=True,
-            timeout=timeout,
-            check=False,
-            env={**os.environ, "GIT_TERMINAL_PROMPT": "0"},
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return out.returncode == 0
-
-
-def find_checkout(pin: Pin, environ: Mapping[str, str], head: Callable[[Path], str | None] = git_head) -> Path | None:
-    """A local checkout at the pin's commit: ``$MCORE_SRC_<PIN>`` (must match), else ``$MCORE_SRC`` if it does."""
+    ``head`` reads a checkout's commit (:func:`mcore_compat.gitinfo.git_head`).
+    """
     explicit = environ.get(pin.source_variable)
     if explicit:
         path = Path(explicit).resolve()
@@ -266,12 +249,14 @@ def find_checkout(pin: Pin, environ: Mapping[str, str], head: Callable[[Path], s
 def resolve_source(
     pin: Pin,
     environ: Mapping[str, str],
-    head: Callable[[Path], str | None] = git_head,
-    reachable: Callable[[str], bool] = git_reachable,
+    head: Callable[[Path], str | None],
+    reachable: Callable[[str], bool],
 ) -> Path | None:
     """For a source pin, the local checkout to install, or None to install from its repository.
 
-    Raises :class:`SourceUnavailable` when there is neither. Release pins return None.
+    ``head`` and ``reachable`` are :mod:`mcore_compat.gitinfo`'s ``git_head`` and ``git_reachable``
+    (parameters, so that this module imports nothing of its package). Raises :class:`SourceUnavailable`
+    when there is neither. Release pins return None.
     """
     if pin.package is not None:
         return None
@@ -317,97 +302,9 @@ def check_python(pin: Pin, version: Sequence[int] = sys.version_info[:3]) -> Non
         )
 
 
-# -- the commands -------------------------------------------------------------------------------
-
-
 def format_list(table: PinTable) -> str:
     """``pin list``: every pin, its Python, its generation and how it installs."""
     width = max(map(len, table.pins))
     lines = [f"{'pin':<{width}}  python  gen  installs"]
     lines += [f"{p.name:<{width}}  {p.python:<6}  {p.generation:<3}  {p.how()}" for p in table.pins.values()]
     return "\n".join(lines)
-
-
-def installed_version(caps: Capabilities) -> str | None:
-    """The version of the imported Megatron-Core: its distribution's metadata when that distribution is what
-    was imported (or when ``megatron.core`` failed to import), else what the module reports (a source tree).
-    """
-    try:
-        dist = importlib.metadata.distribution("megatron-core")
-    except importlib.metadata.PackageNotFoundError:
-        return caps.mcore_version
-    if caps.mcore_path is None:
-        return dist.version
-    located = Path(str(dist.locate_file("megatron/core"))).resolve()
-    return dist.version if located == Path(caps.mcore_path).resolve() else caps.mcore_version
-
-
-def match_installed(caps: Capabilities, table: PinTable) -> Pin | None:
-    """The pin the imported Megatron-Core is, or None."""
-    return table.match(installed_version(caps), caps.mcore_commit)
-
-
-def status_report(caps: Capabilities, table: PinTable, version: str | None) -> dict[str, str | None]:
-    """What is installed (``version``: see :func:`installed_version`) and which pin: a name, ``custom`` or ``none``."""
-    installed = version is not None or caps.mcore_path is not None
-    pin = table.match(version, caps.mcore_commit)
-    shown = version or ("installed, version unknown" if installed else "not installed")
-    if caps.mcore_version and caps.mcore_version != version:
-        shown += f" (reports {caps.mcore_version})"
-    return {
-        "python": f"{sys.executable} ({'.'.join(map(str, sys.version_info[:3]))})",
-        "megatron-core": shown,
-        "commit": caps.mcore_commit,
-        "path": caps.mcore_path,
-        "pin": pin.name if pin else ("custom" if installed else "none"),
-        "generation": caps.generation,
-        "problem": caps.import_error,
-    }
-
-
-def format_status(report: Mapping[str, str | None]) -> str:
-    width = max(map(len, report))
-    return "\n".join(f"{key:<{width}}  {'-' if value is None else value}" for key, value in report.items())
-
-
-def switch(
-    name: str,
-    table: PinTable,
-    environ: Mapping[str, str] = os.environ,
-    run: Runner = subprocess.run,
-    python: str = sys.executable,
-    resolve: Callable[[Pin, Mapping[str, str]], Path | None] = resolve_source,
-) -> int:
-    """``pin <name>``: install the pin into this environment with pip, then print the doctor table."""
-    pin = table.get(name)
-    check_python(pin)
-    source = resolve(pin, environ)
-    for args in install_plan(pin, source):
-        command = [python, "-m", "pip", "install", *args]
-        print("+", shlex.join(command), flush=True)
-        if (code := run(command, check=False).returncode) != 0:
-            print(f"pip failed (exit status {code}) installing pin {pin.name!r}", file=sys.stderr)
-            return code
-    package_root = str(Path(__file__).resolve().parent.parent)
-    env = {**environ, "PYTHONPATH": os.pathsep.join(filter(None, (package_root, environ.get("PYTHONPATH"))))}
-    doctor = run([python, "-m", "mcore_compat", "doctor"], check=False, env=env).returncode
-    return 0 if doctor in (0, 1) else doctor
-
-
-def main(action: str) -> int:
-    """Entry point of ``mcore-compat pin``; errors print one line and exit with status 2."""
-    try:
-        table = load()
-        if action == "list":
-            print(format_list(table))
-            return 0
-        if action == "status":
-            from mcore_compat.capabilities import detect
-
-            caps = detect()
-            print(format_status(status_report(caps, table, installed_version(caps))))
-            return 0
-        return switch(action, table)
-    except PinError as exc:
-        print(f"mcore-compat pin: {exc}", file=sys.stderr)
-        return 2

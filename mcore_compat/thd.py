@@ -36,3 +36,8 @@ def thd_partitioned_indices(
     shift = torch.repeat_interleave(segment_starts.reshape(-1) - segment_offsets, segment_lengths)
     indices = torch.arange(int(segment_lengths.sum()), dtype=torch.int64) + shift
     return indices.to(device=cu_seqlens_padded.device, dtype=torch.int32)
+
+
+__all__ = [
+    "thd_partitioned_indices",
+]

@@ -1,26 +1,66 @@
 """The stable facade trainers import: global-batch online packing on any Megatron-Core pin.
 
-Mirrors the API of Megatron-Bridge's ``bridge.training.global_batch_packing`` module; every call
-is routed to the adapter ``mcore_compat`` chose for the installed Megatron-Core.
+A drop-in for Megatron-Bridge's ``bridge.training.global_batch_packing``: the same public functions,
+and the same private seams (``_scheduler_api``, ``_accepted_parameters``, ``_thd_cp_route_prebuilder``,
+``_iterator_for_tp_rank``, ``_DEV_PIN_HINT``, ``logger``). The entry points look the seams up on this
+module at call time, so code and tests that monkeypatch them, or put a stand-in
+``megatron.core.datasets.data_schedule`` into ``sys.modules``, behave as they do against Bridge's module.
+The seams delegate to the adapter ``mcore_compat`` chose for the installed Megatron-Core; this package
+never imports ``megatron`` itself.
+
+Deliberate differences from Bridge's module:
+
+- A pin without Megatron-Core's scheduler (every megatron-core release, early ``main``) is not refused:
+  ``_scheduler_api`` returns the portable backend's ``dp_balanced`` in Megatron-Core's call shape and
+  the probe answers None for it.
+- ``wrap_data_iterator_for_global_batch_packing`` probes the pin and checks its arguments before any
+  collective, raising the named errors of :mod:`packing.types` (all ``ValueError`` subclasses).
+- The raw iterator reaches the scheduler only on the ranks that load data on this pin (TP rank 0 of the
+  first/last PP stage on ``main``, of every stage on ``dev``); elsewhere it gets None (one per virtual stage
+  with VPP).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+import logging
+from collections.abc import Callable
 from typing import Any
 
-from mcore_compat import adapter
+from mcore_compat import adapter, detect
 from mcore_compat.adapters import DYNAMIC_CP_SCHEDULERS
-from mcore_compat.adapters.base import PackedBatch, WrapResult
+from mcore_compat.adapters.base import pin_hint, pins_running
+from mcore_compat.adapters.native import no_data
+from mcore_compat.capabilities import route_prebuilder
+from mcore_compat.errors import BadSampleError, PackingConfigError, PackingError, UnsupportedPinError
+from mcore_compat.model_support import enable_dynamic_cp_model_support, model_support_applied
+from mcore_compat.results import PackedBatch, SchedulerApi, WrapResult
+from packing.types import PackingModelConfig, ProcessGroupCollectionLike
 
 __all__ = [
     "DYNAMIC_CP_SCHEDULERS",
+    "BadSampleError",
+    "PackedBatch",
+    "PackingConfigError",
+    "PackingError",
+    "UnsupportedPinError",
+    "WrapResult",
     "dynamic_context_parallel_enabled",
+    "dynamic_cp_initialize_keywords",
+    "enable_dynamic_cp_model_support",
     "finalize_packed_seq_params",
     "get_batch_for_global_batch_packing",
     "global_batch_packing_enabled",
+    "model_support_applied",
     "probe_global_batch_packing_support",
     "wrap_data_iterator_for_global_batch_packing",
 ]
+
+logger = logging.getLogger(__name__)
+
+_DEV_PIN_HINT = " " + pin_hint(pins_running("default_dynamic_cp", dynamic_cp=True))
+"""The sentence that ends a refusal the pins running dynamic CP fix (Bridge: the dev lane), with its leading space."""
 
 
 def global_batch_packing_enabled(model_config: Any) -> bool:
@@ -33,53 +73,161 @@ def dynamic_context_parallel_enabled(model_config: Any) -> bool:
     return adapter().dynamic_cp_enabled(model_config)
 
 
+def _scheduler_api() -> SchedulerApi:
+    """Return ``(wrap_data_iterator, get_batch_on_this_rank_for_sequence_packing)`` of the pinned Megatron-Core.
+
+    Megatron-Core's own functions where the pin has the scheduler. Unlike Bridge, which fails to import
+    them on releases, a pin without the scheduler gets the portable backend's ``dp_balanced`` in the same
+    call shape; a pin nothing can pack on raises ``UnsupportedPinError``.
+    """
+    chosen = adapter()
+    if chosen.backend == "portable":
+        _announce_portable(chosen.capabilities.describe())
+    return chosen.scheduler_api()
+
+
+@functools.cache
+def _announce_portable(pin: str) -> None:
+    logger.info("Megatron-Core %s has no packing scheduler: the portable backend runs dp_balanced", pin)
+
+
+@functools.cache
+def _accepted_parameters(fn: Callable[..., Any]) -> frozenset[str]:
+    """Return the parameter names ``fn`` accepts (cached: called once per microbatch)."""
+    return frozenset(inspect.signature(fn).parameters)
+
+
+def _thd_cp_route_prebuilder() -> Callable[..., None] | None:
+    """Return Megatron-Core's THD CP partition-route prebuild, or None if the release has no CP layout routes."""
+    return route_prebuilder() if adapter().capabilities.has_route_prebuilder else None
+
+
+def dynamic_cp_initialize_keywords(min_size: int = 1) -> dict[str, Any]:
+    """The ``parallel_state.initialize_model_parallel`` keywords that turn on dynamic CP's DP x CP sub-groups.
+
+    Read from the installed Megatron-Core's signature: ``{"dynamic_context_parallel": True,
+    "min_dynamic_context_parallel_size": min_size}`` on dev, ``{"hybrid_context_parallel": True}`` on
+    releases 0.16.1-0.19.2 and main. Raises ``ValueError`` on pins without such groups (0.13-0.15).
+    Where the model config has no ``dynamic_context_parallel`` field (releases, main), set it after
+    construction: ``config.dynamic_context_parallel = True`` (with ``min_dynamic_context_parallel_size``
+    and ``sequence_packing_scheduler = "default_dynamic_cp"``); keep ``config.hybrid_context_parallel`` False.
+    """
+    from mcore_compat.dynamic_cp import dynamic_cp_initialize_keywords as keywords
+
+    return keywords(detect(), min_size)
+
+
 def probe_global_batch_packing_support(scheduler: str, *, dynamic_cp: bool = False) -> str | None:
-    """Why the pinned Megatron-Core cannot run ``scheduler``, as one actionable sentence, or None."""
+    """Return why the pinned Megatron-Core cannot run ``scheduler``, as one actionable sentence, or None if it can.
+
+    Probing the registered schedulers and the entry-point signatures lets validation fail with an actionable
+    message instead of a ``KeyError`` or ``TypeError`` at the first step; ``dynamic_cp`` also requires the
+    packed fetch to accept the dynamic-CP arguments. Unlike Bridge, a release without Megatron-Core's
+    scheduler is not refused ``dp_balanced``: the portable backend runs it.
+    """
     return adapter().probe(scheduler, dynamic_cp=dynamic_cp)
 
 
-def _require_pg_collection(pg_collection: Any) -> None:
+def _require_pg_collection(pg_collection: ProcessGroupCollectionLike | None) -> None:
     if pg_collection is None:
-        raise ValueError(
+        raise PackingConfigError(
             "pg_collection=None: global-batch packing needs the model's ProcessGroupCollection "
             "(e.g. ProcessGroupCollection.use_mpu_process_groups(required_pgs=['tp', 'pp', 'cp', 'dp', 'dp_cp']))"
         )
 
 
+def _iterator_for_tp_rank(data_iterator: Any, pg_collection: ProcessGroupCollectionLike) -> Any:
+    """Return the iterator on TP rank 0 and None elsewhere, as the scheduler requires."""
+    return data_iterator if pg_collection.tp.rank() == 0 else None
+
+
 def wrap_data_iterator_for_global_batch_packing(
-    data_iterator: Any, model_config: Any, num_microbatches: int, pg_collection: Any
+    data_iterator: Any,
+    model_config: PackingModelConfig,
+    num_microbatches: int,
+    pg_collection: ProcessGroupCollectionLike,
 ) -> WrapResult:
     """Pack this step's global batch into THD microbatches.
 
-    The raw iterator reaches Megatron-Core only on TP rank 0 of the PP stages that own data on
-    this pin. Returns ``(packed_iterator, packed_num_microbatches, seqlen_sum, seqlen_squared_sum)``;
-    the packed iterator is None off TP rank 0, so track "already wrapped" with a flag.
+    Pulls ``num_microbatches`` samples per data-parallel rank, gathers their lengths, schedules bins (and CP
+    groups under dynamic CP), reroutes samples, and returns the packed iterator with the number of
+    microbatches it yields. The packed iterator is a ``RerunDataIterator`` on TP rank 0 and None on other
+    TP ranks, so track "already wrapped" with a flag. ``seqlen_sum`` and ``seqlen_squared_sum`` are the sum
+    of the padded sample lengths and of their squares over the global batch, for FLOPs accounting.
+
+    Raises ``PackingConfigError`` or ``UnsupportedPinError`` on every rank before any collective.
     """
     _require_pg_collection(pg_collection)
     if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
-        raise ValueError(
+        raise PackingConfigError(
             f"num_microbatches={num_microbatches!r}: pass the positive int number of samples each "
             "data-parallel rank pulls this step (get_num_microbatches())"
         )
-    return adapter().wrap(data_iterator, model_config, num_microbatches, pg_collection)
+    chosen = adapter()
+    chosen.require_runnable(model_config)
+    wrap_data_iterator, _ = _scheduler_api()
+    iterator = _iterator_for_tp_rank(data_iterator, pg_collection)
+    if iterator is not None and not chosen.rank_loads_data(pg_collection):
+        iterator = None
+    packed, count, seqlen_sum, seqlen_squared_sum = wrap_data_iterator(
+        no_data(model_config) if iterator is None else iterator,
+        model_config,
+        num_microbatches,
+        pg_collection=pg_collection,
+    )
+    return WrapResult(packed, int(count), float(seqlen_sum), float(seqlen_squared_sum))
 
 
 def get_batch_for_global_batch_packing(
-    data_iterator: Any, model_config: Any, *, pg_collection: Any, vp_stage: int | None
+    data_iterator: Any,
+    model_config: PackingModelConfig,
+    *,
+    pg_collection: ProcessGroupCollectionLike,
+    vp_stage: int | None,
 ) -> PackedBatch:
-    """Fetch one packed microbatch on every rank.
+    """Fetch one packed microbatch and its ``PackedSeqParams`` on every rank.
 
-    Returns ``(tokens, labels, loss_mask, attention_mask, position_ids, packed_seq_params,
-    padding_mask)``; ``attention_mask`` is always None (THD) and ``padding_mask`` is None on pins
-    whose fetch returns six values.
+    Megatron-Core slices the packed bin for this rank's (possibly dynamic) CP group, broadcasts it over TP,
+    and returns THD metadata; the params are then finalized (:func:`finalize_packed_seq_params`, so calling
+    it again is harmless). ``config`` and ``dynamic_cp`` reach the pin's fetch only where it accepts them.
+
+    Returns ``(tokens, labels, loss_mask, attention_mask, position_ids, packed_seq_params, padding_mask)``;
+    ``attention_mask`` is always None (THD) and ``padding_mask`` is None on pins whose fetch returns six values.
     """
     _require_pg_collection(pg_collection)
-    return adapter().get_batch(data_iterator, model_config, pg_collection=pg_collection, vp_stage=vp_stage)
+    chosen = adapter()
+    _, fetch = _scheduler_api()
+    accepted = _accepted_parameters(fetch)
+    optional: dict[str, Any] = {}
+    if "dynamic_cp" in accepted:
+        optional["dynamic_cp"] = dynamic_context_parallel_enabled(model_config)
+    if "config" in accepted:
+        optional["config"] = model_config
+    batch = tuple(
+        fetch(
+            _iterator_for_tp_rank(data_iterator, pg_collection),
+            vpp_size=getattr(model_config, "virtual_pipeline_model_parallel_size", None),
+            mtp_on_this_rank=chosen.mtp_on_this_rank(model_config, vp_stage),
+            vp_stage=vp_stage,
+            pg_collection=pg_collection,
+            **optional,
+        )
+    )
+    tokens, labels, loss_mask, attention_mask, position_ids, packed_seq_params, padding_mask = batch + (None,) * (
+        len(PackedBatch._fields) - len(batch)
+    )
+    packed_seq_params = finalize_packed_seq_params(packed_seq_params, pg_collection)
+    return PackedBatch(tokens, labels, loss_mask, attention_mask, position_ids, packed_seq_params, padding_mask)
 
 
-def finalize_packed_seq_params(packed_seq_params: Any, pg_collection: Any) -> Any:
-    """Bind the CP group to one microbatch and prebuild its THD CP partition route where the pin has one."""
+def finalize_packed_seq_params(packed_seq_params: Any, pg_collection: ProcessGroupCollectionLike) -> Any:
+    """Bind the CP group to one microbatch and prebuild its THD CP partition route.
+
+    Uses ``pg_collection.cp`` as the static group unless the scheduler attached a dynamic one. Pins with
+    context-parallel layout routes get the route built here (through ``_thd_cp_route_prebuilder``), off the
+    forward path; older pins partition without one. None passes through.
+    """
     if packed_seq_params is None:
         return None
     _require_pg_collection(pg_collection)
-    return adapter().finalize(packed_seq_params, pg_collection)
+    return adapter().finalize(packed_seq_params, pg_collection, route_prebuilder=_thd_cp_route_prebuilder)

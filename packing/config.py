@@ -10,7 +10,8 @@ because validation writes to them.
     ``pipeline_model_parallel_size`` [1], ``virtual_pipeline_model_parallel_size`` [None],
     ``data_parallel_size`` [None], ``sequence_parallel`` [False], ``sequence_packing_scheduler`` [None],
     ``dynamic_context_parallel`` [False], ``min_dynamic_context_parallel_size`` [1],
-    ``max_seqlen_per_dp_cp_rank`` [None], ``seq_length`` [None], ``calculate_per_token_loss`` [False],
+    ``hybrid_context_parallel`` [False], ``max_seqlen_per_dp_cp_rank`` [None], ``seq_length`` [None],
+    ``calculate_per_token_loss`` [False],
     ``cuda_graph_impl`` ["none"], ``enable_cuda_graph`` [False], ``is_hybrid_model`` [False]
 ``cfg.dataset``
     ``enable_global_batch_packing`` [False], ``enable_offline_packing`` [False],
@@ -31,7 +32,9 @@ When packing is on and every rule holds, validation writes ``model.sequence_pack
 (when unset: ``dp_balanced``, or ``default_dynamic_cp`` under dynamic CP; ``balanced`` is opt-in and runs with
 static CP on every pin) and
 ``dataset.global_batch_packing_pad_to_multiple_of``. On a violation it writes nothing and raises
-``ValueError`` naming the field, its value and the fix.
+:class:`~packing.types.PackingConfigError` naming the field, its value and the fix, or
+:class:`~packing.types.UnsupportedPinError` (the probe's refusal) when the pinned Megatron-Core cannot run
+the configured scheduler; both subclass ``ValueError``.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ import math
 from typing import Any, NamedTuple
 
 import packing as facade
+from mcore_compat import detect
+from mcore_compat.errors import PackingConfigError, UnsupportedPinError
 from mcore_compat.portable import SCHEDULERS as PORTABLE_SCHEDULERS
 from packing.global_batch import REQUIRED_SAMPLE_KEYS, alignment_multiple
 
@@ -62,6 +67,7 @@ CONFIG_DEFAULTS: dict[str, Any] = {
     "model.sequence_packing_scheduler": None,
     "model.dynamic_context_parallel": False,
     "model.min_dynamic_context_parallel_size": 1,
+    "model.hybrid_context_parallel": False,
     "model.max_seqlen_per_dp_cp_rank": None,
     "model.seq_length": None,
     "model.calculate_per_token_loss": False,
@@ -104,8 +110,8 @@ def _get(cfg: Any, field: str) -> Any:
     return getattr(getattr(cfg, part, None), name, CONFIG_DEFAULTS[field])
 
 
-def _invalid(field: str, value: Any, fix: str) -> ValueError:
-    return ValueError(f"{field}={value!r}: {fix}")
+def _invalid(field: str, value: Any, fix: str) -> PackingConfigError:
+    return PackingConfigError(f"{field}={value!r}: {fix}")
 
 
 def _is_positive_int(value: Any) -> bool:
@@ -126,7 +132,9 @@ def _is_power_of_two(n: int) -> bool:
 def _check_model(cfg: Any) -> None:
     model = getattr(cfg, "model", None)
     if model is None:
-        raise ValueError("cfg.model is missing: pass a ConfigContainer-like object with .model and .dataset parts")
+        raise PackingConfigError(
+            "cfg.model is missing: pass a ConfigContainer-like object with .model and .dataset parts"
+        )
     scheduler = _get(cfg, "model.sequence_packing_scheduler")
     if scheduler is not None and not isinstance(scheduler, str):
         raise _invalid(
@@ -227,6 +235,15 @@ def _dynamic_cp(cfg: Any) -> bool:
     value = _get(cfg, "model.dynamic_context_parallel")
     if not isinstance(value, bool):
         raise _invalid("model.dynamic_context_parallel", value, "set it to True or False")
+    hybrid = _get(cfg, "model.hybrid_context_parallel")
+    if hybrid is True and "dynamic_context_parallel" not in detect().packing_config_fields:
+        raise _invalid(
+            "model.hybrid_context_parallel",
+            hybrid,
+            "on this Megatron-Core it diverts every step into its own hybrid-CP schedule, which does not run packed "
+            "microbatches; leave it False and set model.dynamic_context_parallel=True (after constructing the "
+            "config) for dynamic CP",
+        )
     return facade.dynamic_context_parallel_enabled(cfg.model)
 
 
@@ -308,6 +325,9 @@ def validate_global_batch_packing(cfg: Any) -> bool:
 
     ``dataset.enable_global_batch_packing`` drives the scheduler: when it is off, only a stray
     ``model.sequence_packing_scheduler`` is an error. The pinned Megatron-Core is probed last.
+    ``cfg`` is shaped like Megatron-Bridge's ``ConfigContainer`` (see the module docstring).
+
+    Raises ``PackingConfigError`` for a broken rule and ``UnsupportedPinError`` when the probe refuses.
     """
     scheduler = _get(cfg, "model.sequence_packing_scheduler")
     if not _get(cfg, "dataset.enable_global_batch_packing"):
@@ -353,7 +373,7 @@ def validate_global_batch_packing(cfg: Any) -> bool:
         scheduler = facade.DYNAMIC_CP_SCHEDULERS[0] if dynamic_cp else STATIC_CP_SCHEDULER
     reason = facade.probe_global_batch_packing_support(scheduler, dynamic_cp=dynamic_cp)
     if reason is not None:
-        raise ValueError(
+        raise UnsupportedPinError(
             f"model.sequence_packing_scheduler={scheduler!r} cannot run on the pinned Megatron-Core: {reason}"
         )
 

@@ -1,7 +1,9 @@
-"""The per-sample data contract of global-batch packing.
+"""Building and checking samples of the data contract of global-batch packing.
 
-Megatron-Core's packing scheduler consumes *unpacked* samples: one dict per sequence, delivered
-unstacked (micro-batch size 1, identity collate), each with these keys:
+The contract itself (keys, dtypes, alignment, the pre-packed form too) is written once, in
+:mod:`mcore_compat.contract`, and checked by the facade on every step. This module builds the
+*unpacked* form: one dict per sequence, delivered unstacked (micro-batch size 1, identity collate),
+each with these keys:
 
 - ``tokens``           int64   [L]  input ids, padded with the pad token
 - ``labels``           int64   [L]  target ids
@@ -11,15 +13,19 @@ unstacked (micro-batch size 1, identity collate), each with these keys:
 - ``padded_seq_len``   int32   [1]  ``L``, a multiple of :func:`alignment_multiple`
 
 Only torch is needed here; nothing in this module touches Megatron-Core.
+:func:`validate_unpacked_sample` checks what the builder makes (exact dtypes and shapes); the
+facade's per-step check also takes any integer dtype for the two lengths and pre-packed samples.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+
+from mcore_compat.contract import LENGTH_KEYS, REQUIRED_SAMPLE_KEYS, SAMPLE_DTYPES, TOKEN_KEYS, alignment_multiple
+from mcore_compat.errors import BadSampleError, PackingConfigError
 
 __all__ = [
     "LENGTH_KEYS",
@@ -37,46 +43,21 @@ __all__ = [
 
 UnpackedSample = dict[str, torch.Tensor]
 
-TOKEN_KEYS: tuple[str, ...] = ("tokens", "labels", "loss_mask", "position_ids")
-LENGTH_KEYS: tuple[str, ...] = ("original_seq_len", "padded_seq_len")
-REQUIRED_SAMPLE_KEYS: tuple[str, ...] = TOKEN_KEYS + LENGTH_KEYS
-SAMPLE_DTYPES: dict[str, torch.dtype] = {
-    "tokens": torch.int64,
-    "labels": torch.int64,
-    "loss_mask": torch.float32,
-    "position_ids": torch.int64,
-    "original_seq_len": torch.int32,
-    "padded_seq_len": torch.int32,
-}
 _BUILD_HINT = "build samples with packing.global_batch.build_unpacked_sequence_sample"
 
 
 def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r}: pass a positive int")
+        raise PackingConfigError(f"{name}={value!r}: pass a positive int")
     return value
-
-
-def alignment_multiple(*, dynamic_cp: bool, dp: int, cp: int, tp: int, sequence_parallel: bool) -> int:
-    """The multiple every sample's padded length must be, for this parallel layout.
-
-    Static CP (``dp_balanced``): the least common multiple of ``2*cp`` (1 when ``cp == 1``) and,
-    with sequence parallelism, ``cp*tp``. Dynamic CP: ``2*dp*cp``, times ``tp`` with sequence
-    parallelism, because a bin may run on any CP group size up to the whole DP x CP pool.
-    """
-    dp, cp, tp = _positive_int("dp", dp), _positive_int("cp", cp), _positive_int("tp", tp)
-    if dynamic_cp:
-        return 2 * dp * cp * (tp if sequence_parallel else 1)
-    multiple = 2 * cp if cp > 1 else 1
-    return math.lcm(multiple, cp * tp) if sequence_parallel else multiple
 
 
 def _as_1d(name: str, values: Sequence[Any] | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     tensor = torch.as_tensor(values)
     if tensor.dim() != 1:
-        raise ValueError(f"{name} has shape {tuple(tensor.shape)}: pass one sequence as a 1-D list or tensor")
+        raise BadSampleError(f"{name} has shape {tuple(tensor.shape)}: pass one sequence as a 1-D list or tensor")
     if dtype == torch.int64 and tensor.numel() and (tensor.is_floating_point() or tensor.dtype == torch.bool):
-        raise ValueError(f"{name} has dtype {tensor.dtype}: pass integer token ids")
+        raise BadSampleError(f"{name} has dtype {tensor.dtype}: pass integer token ids")
     return tensor.to(dtype)
 
 
@@ -100,9 +81,9 @@ def build_unpacked_sequence_sample(
     mask_t = _as_1d("loss_mask", loss_mask, torch.float32)
     length = tokens_t.numel()
     if length == 0:
-        raise ValueError("tokens is empty: a sample needs at least one token; drop empty sequences before packing")
+        raise BadSampleError("tokens is empty: a sample needs at least one token; drop empty sequences before packing")
     if labels_t.numel() != length or mask_t.numel() != length:
-        raise ValueError(
+        raise BadSampleError(
             f"len(tokens)={length}, len(labels)={labels_t.numel()}, len(loss_mask)={mask_t.numel()}: "
             "pass labels and loss_mask aligned one-to-one with tokens"
         )
@@ -121,58 +102,60 @@ def build_unpacked_sequence_sample(
 
 
 def validate_unpacked_sample(sample: Mapping[str, Any], *, pad_to_multiple_of: int | None = None) -> None:
-    """Raise ``ValueError`` naming the key, what is wrong and the fix if ``sample`` breaks the contract.
+    """Raise ``BadSampleError`` naming the key, what is wrong and the fix if ``sample`` breaks the contract.
 
     Extra keys are allowed (Megatron-Core dev drops them before rerouting). With
     ``pad_to_multiple_of`` the padded length must also be a multiple of it.
     """
     if not isinstance(sample, Mapping):
-        raise ValueError(
+        raise BadSampleError(
             f"sample is a {type(sample).__name__}: the scheduler takes one dict per sequence; {_BUILD_HINT}"
         )
     missing = [key for key in REQUIRED_SAMPLE_KEYS if key not in sample]
     if missing:
-        raise ValueError(f"sample is missing {missing}: every sample needs {list(REQUIRED_SAMPLE_KEYS)}; {_BUILD_HINT}")
+        raise BadSampleError(
+            f"sample is missing {missing}: every sample needs {list(REQUIRED_SAMPLE_KEYS)}; {_BUILD_HINT}"
+        )
     for key in REQUIRED_SAMPLE_KEYS:
         value = sample[key]
         if not isinstance(value, torch.Tensor):
-            raise ValueError(f"sample[{key!r}] is a {type(value).__name__}: make it a torch.Tensor; {_BUILD_HINT}")
+            raise BadSampleError(f"sample[{key!r}] is a {type(value).__name__}: make it a torch.Tensor; {_BUILD_HINT}")
         if value.dtype != SAMPLE_DTYPES[key]:
-            raise ValueError(
+            raise BadSampleError(
                 f"sample[{key!r}].dtype={value.dtype}: convert it with .to({SAMPLE_DTYPES[key]}); {_BUILD_HINT}"
             )
     for key in TOKEN_KEYS:
         if sample[key].dim() != 1:
-            raise ValueError(
+            raise BadSampleError(
                 f"sample[{key!r}].shape={tuple(sample[key].shape)}: make it 1-D [L] (unstacked, no batch "
                 "dimension; use packing.global_batch.identity_collate)"
             )
     for key in LENGTH_KEYS:
         if tuple(sample[key].shape) != (1,):
-            raise ValueError(
+            raise BadSampleError(
                 f"sample[{key!r}].shape={tuple(sample[key].shape)}: make it shape [1], e.g. "
                 f"torch.tensor([n], dtype=torch.int32); {_BUILD_HINT}"
             )
     length = sample["tokens"].numel()
     for key in TOKEN_KEYS[1:]:
         if sample[key].numel() != length:
-            raise ValueError(
+            raise BadSampleError(
                 f"sample[{key!r}] has length {sample[key].numel()} but sample['tokens'] has {length}: "
                 f"pad every [L] tensor to the same length; {_BUILD_HINT}"
             )
     padded = int(sample["padded_seq_len"].item())
     if padded != length:
-        raise ValueError(f"sample['padded_seq_len']=[{padded}]: set it to the tensor length L={length}")
+        raise BadSampleError(f"sample['padded_seq_len']=[{padded}]: set it to the tensor length L={length}")
     original = int(sample["original_seq_len"].item())
     if not 1 <= original <= padded:
-        raise ValueError(
+        raise BadSampleError(
             f"sample['original_seq_len']=[{original}]: set it to the real token count, between 1 and "
             f"padded_seq_len={padded}"
         )
     if not torch.equal(sample["position_ids"].cpu(), torch.arange(length, dtype=torch.int64)):
-        raise ValueError(f"sample['position_ids'] is not 0..{length - 1}: set it to torch.arange(L)")
+        raise BadSampleError(f"sample['position_ids'] is not 0..{length - 1}: set it to torch.arange(L)")
     if pad_to_multiple_of is not None and length % _positive_int("pad_to_multiple_of", pad_to_multiple_of):
-        raise ValueError(
+        raise BadSampleError(
             f"sample['padded_seq_len']=[{padded}] is not a multiple of {pad_to_multiple_of}: pad every sample "
             f"to a multiple of the alignment multiple (dataset.global_batch_packing_pad_to_multiple_of); "
             f"{_BUILD_HINT}"
@@ -186,7 +169,7 @@ def fold_alignment_padding(sample: Mapping[str, Any]) -> UnpackedSample:
     e.g. Qwen3.5); the padding keeps ``loss_mask`` 0, so it adds no loss.
     """
     if "padded_seq_len" not in sample:
-        raise ValueError(f"sample has no 'padded_seq_len': fold only contract samples; {_BUILD_HINT}")
+        raise BadSampleError(f"sample has no 'padded_seq_len': fold only contract samples; {_BUILD_HINT}")
     folded = dict(sample)
     folded["original_seq_len"] = sample["padded_seq_len"].clone()
     return folded

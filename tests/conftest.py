@@ -17,6 +17,11 @@ from tests.fake_mcore import FakeMCore, g0, g1, g2, g4, g5, g7, installed, m1, m
 
 PROJECT = Path(__file__).resolve().parents[1]
 FAMILIES: tuple[ModuleType, ...] = (g0, g1, g2, g4, g5, g7, m1, m3)
+CLONE_HINT = (
+    "get a Megatron-LM tree with `git clone https://github.com/NVIDIA/Megatron-LM.git mlm` and run with "
+    "MCORE_SRC=$PWD/mlm"
+)
+"""The skip reason's remedy where a test needs Megatron-LM source."""
 FAKE_GENERATIONS: list[tuple[ModuleType, str]] = [(family, gen) for family in FAMILIES for gen in family.GENERATIONS]
 
 
@@ -29,14 +34,15 @@ def fake_mcore(request: pytest.FixtureRequest) -> Iterator[FakeMCore]:
 
 
 def run_doctor(
-    *pythonpath: Path, as_json: bool = True, timeout_s: int = 900, cwd: Path | None = None
+    *pythonpath: Path, as_json: bool = True, verbose: bool = False, timeout_s: int = 900, cwd: Path | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """``python -m mcore_compat doctor [--json]`` in a fresh interpreter with ``pythonpath`` before the project.
+    """``python -m mcore_compat doctor [--json] [--verbose]`` in a fresh interpreter with ``pythonpath`` first.
 
     The caller's ``PYTHONPATH`` is dropped, so with no ``pythonpath`` the installed megatron-core (if any) is seen.
     """
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, (*pythonpath, PROJECT))), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "mcore_compat", "doctor", *(["--json"] if as_json else [])]
+    flags = [flag for flag, on in (("--json", as_json), ("--verbose", verbose)) if on]
+    command = [sys.executable, "-m", "mcore_compat", "doctor", *flags]
     return subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd or PROJECT, timeout=timeout_s)
 
 

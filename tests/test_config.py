@@ -15,6 +15,7 @@ import pytest
 
 import packing
 from packing.config import CONFIG_DEFAULTS, validate_global_batch_packing
+from tests.conftest import CLONE_HINT
 
 REPO = Path(__file__).resolve().parents[1]
 DROP = object()
@@ -505,7 +506,7 @@ print(json.dumps(out))
 """
 
 # generation -> (static outcome, dynamic outcome); an outcome is ["ok", scheduler, multiple] or the
-# fragments the error must contain. Verified on /work/mlm/main (M3) and /work/mlm/dev (G8).
+# fragments the error must contain. Verified on Megatron-LM main d98e8a64dd (M3) and dev d48bd6be0a (G8).
 REAL_EXPECTED: dict[str, tuple[list[Any], list[Any]]] = {
     "M3": (
         ["ok", "dp_balanced", 4],
@@ -519,7 +520,7 @@ REAL_EXPECTED: dict[str, tuple[list[Any], list[Any]]] = {
 def real_probe() -> dict[str, Any]:
     src = os.environ.get("MCORE_SRC")
     if not src:
-        pytest.skip("MCORE_SRC is unset: point it at a Megatron-LM checkout (e.g. /work/mlm/dev or /work/mlm/main)")
+        pytest.skip(f"MCORE_SRC is unset: {CLONE_HINT}")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, str(REPO)]), OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, "-c", _REAL_PROBE], env=env, capture_output=True, text=True, timeout=300, check=False

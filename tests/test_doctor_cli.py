@@ -2,12 +2,38 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
+import platform
+import shutil
+import subprocess
+import sys
+import tomllib
 from pathlib import Path
 
 import pytest
+import torch
 
-from tests.conftest import doctor_report, run_doctor
+from mcore_compat import pins
+from mcore_compat.doctor import BASE_SCHEDULERS
+from tests.conftest import CLONE_HINT, PROJECT, doctor_report, run_doctor
+
+
+def _distribution_version() -> str | None:
+    try:
+        return importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+# A megatron-core that is installed but does not import is still reported by its metadata.
+DIST_VERSION = _distribution_version()
+DIST_PIN = (
+    "none"
+    if DIST_VERSION is None
+    else next((pin.name for pin in pins.load().pins.values() if pin.version == DIST_VERSION), "custom")
+)
+PROJECT_VERSION = tomllib.loads((PROJECT / "pyproject.toml").read_text())["project"]["version"]
 
 MCORE_SRC = os.environ.get("MCORE_SRC")
 
@@ -32,13 +58,34 @@ def test_exit_1_when_nothing_can_run(no_megatron_core: Path) -> None:
 def test_text_and_json_agree_on_exit_status(no_megatron_core: Path) -> None:
     text = run_doctor(no_megatron_core, as_json=False)
     assert text.returncode == 1
-    assert "Megatron-Core generation: none" in text.stdout
-    assert "global-batch packing: NOT available" in text.stdout
+    assert f"Megatron-Core generation: none (pin: {DIST_PIN})" in text.stdout
+    assert text.stdout.startswith("global-batch packing: NOT available")
 
 
-@pytest.mark.skipif(
-    MCORE_SRC is None, reason="MCORE_SRC is unset: point it at a Megatron-LM checkout (e.g. /work/mlm/dev)"
-)
+def test_json_names_the_versions_and_no_pin(no_megatron_core: Path) -> None:
+    _, report = doctor_report(no_megatron_core)
+    assert report["versions"] == {
+        "mcore_compat": PROJECT_VERSION,
+        "megatron_core": DIST_VERSION,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+    assert report["pin"] == DIST_PIN
+
+
+def test_the_verdict_comes_first_and_the_record_only_when_verbose(no_megatron_core: Path) -> None:
+    plain = run_doctor(no_megatron_core, as_json=False).stdout.splitlines()
+    verbose = run_doctor(no_megatron_core, as_json=False, verbose=True).stdout.splitlines()
+    schedulers = [line for line in plain[1:] if line.startswith("  ")]
+    assert plain[0].startswith("global-batch packing:") and plain[1 : 1 + len(schedulers)] == schedulers
+    assert len(schedulers) == 2 * len(BASE_SCHEDULERS) and all(" no: " in line for line in schedulers)
+    assert not any("import_error" in line for line in plain)
+    record = verbose[verbose.index(next(line for line in verbose if line.startswith("capabilities"))) + 1 :]
+    assert record[0].split()[0] == "mcore_version" and any(line.split()[0] == "import_error" for line in record)
+    assert verbose[: len(plain) - 2] == plain[:-2]
+
+
+@pytest.mark.skipif(MCORE_SRC is None, reason=f"MCORE_SRC is unset: {CLONE_HINT}")
 def test_exit_0_on_a_dev_or_main_checkout() -> None:
     assert MCORE_SRC is not None
     status, report = doctor_report(Path(MCORE_SRC))
@@ -48,3 +95,13 @@ def test_exit_0_on_a_dev_or_main_checkout() -> None:
     assert report["capabilities"]["mcore_path"] == str((Path(MCORE_SRC) / "megatron" / "core").resolve())
     runnable = {(row["scheduler"], row["dynamic_cp"]) for row in report["schedulers"] if row["runnable"]}
     assert ("dp_balanced", False) in runnable
+    assert report["pin"] in {*pins.load().pins, "custom"}
+    assert report["versions"]["megatron_core"] == report["capabilities"]["mcore_version"]
+
+
+def test_version_is_the_projects() -> None:
+    for command in (["mcore-compat"], [sys.executable, "-m", "mcore_compat"]):
+        if command[0] == "mcore-compat" and shutil.which("mcore-compat") is None:
+            continue
+        out = subprocess.run([*command, "--version"], capture_output=True, text=True, cwd=PROJECT, timeout=120)
+        assert (out.returncode, out.stdout) == (0, f"mcore-compat {PROJECT_VERSION}\n"), out.stderr

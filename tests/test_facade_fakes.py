@@ -19,19 +19,10 @@ import mcore_compat
 import packing
 from mcore_compat.adapters import UnsupportedAdapter
 from tests.fake_mcore import FakeGroup, FakeMCore, microbatch, packing_config, pg_collection, sample, sample_ids
+from tests.real_outcomes import RUNS
 
-NATIVE_ADAPTER = {
-    "G2": "DevG2Adapter",
-    "G3": "DevG2Adapter",
-    "G4": "DevG4Adapter",
-    "G4b": "DevG4Adapter",
-    "G5": "DevG5Adapter",
-    "G6": "DevG5Adapter",
-    "G6b": "DevG5Adapter",
-    "G7": "DevG7Adapter",
-    "G8": "DevG7Adapter",
-    "M3": "MainM3Adapter",
-}
+NATIVE = ("G2", "G3", "G4", "G4b", "G5", "G6", "G6b", "G7", "G8", "M3")
+NATIVE_ADAPTER = dict.fromkeys(NATIVE, "NativeSchedulerAdapter")
 PP_DATA_STAGES = {gen: "first_last" for gen in ("G2", "G3", "G4", "M3")} | {
     gen: "every" for gen in ("G4b", "G5", "G6", "G6b", "G7", "G8")
 }
@@ -47,6 +38,8 @@ SIX_TUPLE_FETCH = {"G2", "G3", "G4", "G4b"}
 CONFIG_FORM_MTP = {"G2", "G3", "G4", "G4b"}
 HAS_RESOLVE_CP_GROUP = {"G4b", "G5", "G6", "G6b", "G7", "G8"}
 HAS_ROUTES = {"G7", "G8"}
+SWITCHES_ATTENTION = {"G1", "G2", "M1", "M2", "M3"}
+"""TE's attention wrapper treats any bound cp_group as dynamic (extensions/transformer_engine.py on those trees)."""
 HYBRID_ALIAS = {"G3", "G4", "G4b", "G5", "G6", "G6b", "G7", "G8"}
 
 DP = ("dp_balanced", False)
@@ -58,24 +51,32 @@ REQUESTS = (DP, DP_UPPER, DYN, DYN_STATIC, DP_DYN)
 NOT_REGISTERED = "is not registered in scheduler_map"
 WANTS_DYNAMIC = "set dynamic_context_parallel=True"
 NOT_DYNAMIC = "does not form dynamic context-parallel groups"
-_DEV_STATIC = {DP: None, DP_UPPER: NOT_REGISTERED}
-PROBE: dict[str, dict[tuple[str, bool], str | None]] = {
-    # None: runnable. Otherwise a fragment of the refusal; refusals for a missing API also name the
-    # detected generation and the switch script (checked in test_probe_answers).
-    "G2": {**_DEV_STATIC, DYN: NOT_REGISTERED, DYN_STATIC: NOT_REGISTERED, DP_DYN: "does not accept dynamic_cp"},
-    "G4": {**_DEV_STATIC, DYN: "does not accept config", DYN_STATIC: WANTS_DYNAMIC, DP_DYN: "does not accept config"},
-    "G5": {**_DEV_STATIC, DYN: None, DYN_STATIC: WANTS_DYNAMIC, DP_DYN: NOT_DYNAMIC},
-    "M3": {
-        DP: None,
-        DP_UPPER: None,
-        DYN: NOT_REGISTERED,
-        DYN_STATIC: NOT_REGISTERED,
-        DP_DYN: "does not accept dynamic_cp",
-    },
-}
-PROBE |= {"G3": PROBE["G2"], "G4b": PROBE["G4"]} | {gen: PROBE["G5"] for gen in ("G6", "G6b", "G7", "G8")}
-CONFIG_MISTAKES = (WANTS_DYNAMIC, NOT_DYNAMIC)
-SWITCH_HINT = re.compile(r"`scripts/switch_mcore\.sh (dev|main)`")
+NOT_A_NAME = "is not a scheduler name"
+MISSING_API = "needs Megatron-Core's native scheduler"
+NO_SUB_GROUPS = "needs Megatron-Core's DP x CP sub-groups"
+MODEL_SUPPORT = "enable_dynamic_cp_model_support"
+MODEL_IGNORES_THE_GROUP = {"G1", "M1", "M2", "M3"}
+"""Their attention runs RoPE on the static CP group (tests/model/test_rope_dynamic_cp.py on real pins)."""
+
+
+def _probe_table(generation: str) -> dict[tuple[str, bool], str | None]:
+    """Expected answers: runnable exactly where a real step ran (tests/real_outcomes.py), else a fragment."""
+    runs = RUNS[generation]
+    native = generation in NATIVE
+    return {
+        DP: None if runs[DP] else MISSING_API,
+        DP_UPPER: NOT_A_NAME,
+        DYN: (MODEL_SUPPORT if generation in MODEL_IGNORES_THE_GROUP else None)
+        if runs[DYN]
+        else (NOT_REGISTERED if native else NO_SUB_GROUPS),
+        DYN_STATIC: WANTS_DYNAMIC,
+        DP_DYN: NOT_DYNAMIC,
+    }
+
+
+PROBE = {gen: _probe_table(gen) for gen in RUNS}
+CONFIG_MISTAKES = (WANTS_DYNAMIC, NOT_DYNAMIC, NOT_A_NAME, MODEL_SUPPORT)
+REMEDY = re.compile(r"`mcore-compat pin [\w.]+`|No supported pin runs it yet|Megatron-LM dev commits have it from")
 
 LENGTHS = (8, 16, 24, 32)
 
@@ -85,11 +86,8 @@ def samples() -> list[dict[str, Any]]:
 
 
 def expected_adapter(generation: str) -> str:
-    """The native adapter for scheduler generations; otherwise the adapter declaring it, else Unsupported."""
-    if generation in NATIVE_ADAPTER:
-        return NATIVE_ADAPTER[generation]
-    declaring = [cls for cls in mcore_compat.ADAPTERS if generation in cls.generations]
-    return declaring[0].__name__ if declaring else UnsupportedAdapter.__name__
+    """Native generations run MCore's scheduler; the others the portable backend."""
+    return NATIVE_ADAPTER.get(generation, "PortableAdapter")
 
 
 def require_native(fake: FakeMCore) -> None:
@@ -101,7 +99,7 @@ def require_native(fake: FakeMCore) -> None:
 def assert_names_generation(reason: str | None, generation: str) -> None:
     assert reason is not None
     assert f"detected {generation} (" in reason, reason
-    assert SWITCH_HINT.search(reason), reason
+    assert REMEDY.search(reason), reason
 
 
 # -- detection -----------------------------------------------------------------------------------
@@ -112,8 +110,7 @@ def test_detects_generation_and_adapter(fake_mcore: FakeMCore) -> None:
     chosen = mcore_compat.adapter()
     assert caps.generation == fake_mcore.generation
     assert chosen.name == expected_adapter(fake_mcore.generation)
-    if fake_mcore.generation in NATIVE_ADAPTER:
-        assert fake_mcore.generation in type(chosen).generations
+    assert fake_mcore.generation in type(chosen).generations()
     assert caps.fetch_arity == fake_mcore.fetch_arity
     assert caps.has_resolve_cp_group == (fake_mcore.generation in HAS_RESOLVE_CP_GROUP)
     assert caps.has_route_prebuilder == (fake_mcore.generation in HAS_ROUTES)
@@ -137,21 +134,13 @@ def test_probe_answers(fake_mcore: FakeMCore, request_: tuple[str, bool]) -> Non
     scheduler, dynamic_cp = request_
     generation = fake_mcore.generation
     reason = packing.probe_global_batch_packing_support(scheduler, dynamic_cp=dynamic_cp)
-    if generation not in PROBE:
-        if reason is None:
-            assert request_ == DP and generation in type(mcore_compat.adapter()).generations
-        else:
-            assert_names_generation(reason, generation)
-        if dynamic_cp:
-            assert_names_generation(reason, generation)
-        return
     expected = PROBE[generation][request_]
     if expected is None:
         assert reason is None
         return
     assert reason is not None and expected in reason, reason
-    assert f"{scheduler!r}" in reason or expected not in (NOT_REGISTERED, *CONFIG_MISTAKES)
-    if expected not in CONFIG_MISTAKES:
+    assert f"{scheduler!r}" in reason or expected not in (NOT_REGISTERED, WANTS_DYNAMIC, NOT_DYNAMIC, NOT_A_NAME)
+    if expected not in (*CONFIG_MISTAKES, MODEL_SUPPORT):
         assert_names_generation(reason, generation)
 
 
@@ -211,19 +200,19 @@ def test_wrap_passes_iterator_only_where_data_lives(
         assert sorted(i for mb in first_stage for i in sample_ids(mb)) == list(range(len(LENGTHS)))
 
 
-def test_wrap_hands_the_scheduler_name_through_as_str(fake_mcore: FakeMCore) -> None:
+def test_wrap_takes_exact_scheduler_names_only(fake_mcore: FakeMCore) -> None:
     require_native(fake_mcore)
     if fake_mcore.generation not in NATIVE_ADAPTER:
         pytest.skip(f"{fake_mcore.generation} has no wrap_data_iterator")
     config = packing_config("DP_BALANCED")
-    if PROBE[fake_mcore.generation][DP_UPPER] is None:
+    with pytest.raises(ValueError, match="did you mean 'dp_balanced'"):
         packing.wrap_data_iterator_for_global_batch_packing(iter(samples()), config, len(LENGTHS), pg_collection())
-        [call] = fake_mcore.calls["wrap_data_iterator"]
-        assert call.bound["config"].sequence_packing_scheduler == "DP_BALANCED"
-    else:
-        with pytest.raises(ValueError, match=NOT_REGISTERED):
-            packing.wrap_data_iterator_for_global_batch_packing(iter(samples()), config, len(LENGTHS), pg_collection())
-        assert fake_mcore.calls["wrap_data_iterator"] == []
+    assert fake_mcore.calls["wrap_data_iterator"] == []
+    packing.wrap_data_iterator_for_global_batch_packing(
+        iter(samples()), packing_config(), len(LENGTHS), pg_collection()
+    )
+    [call] = fake_mcore.calls["wrap_data_iterator"]
+    assert type(call.bound["config"].sequence_packing_scheduler) is str
 
 
 # -- fetch ---------------------------------------------------------------------------------------
@@ -238,6 +227,8 @@ def packed_stream(count: int) -> Any:
 def test_fetch_passes_keywords_this_generation_takes(fake_mcore: FakeMCore, dynamic_cp: bool, vp_stage: int) -> None:
     require_native(fake_mcore)
     generation = fake_mcore.generation
+    if dynamic_cp and generation == "M3":
+        pytest.skip("dynamic CP on main runs on the portable backend (tests/portable)")
     config = packing_config(dynamic_cp=dynamic_cp, vpp_size=2, mtp_num_layers=1)
     pgc = pg_collection()
     stream = packed_stream(1)
@@ -332,7 +323,8 @@ def test_finalize_binds_the_cp_group_and_prebuilds_routes(fake_mcore: FakeMCore,
         if "cp_group" not in psp_cls.__dataclass_fields__:
             pytest.skip(f"{generation}'s PackedSeqParams has no cp_group to attach")
         psp.cp_group = dynamic
-    expected_group = dynamic if attached else pgc.cp
+    static_bound = generation not in SWITCHES_ATTENTION
+    expected_group = dynamic if attached else (pgc.cp if static_bound else None)
 
     assert packing.finalize_packed_seq_params(psp, pgc) is psp
 
@@ -346,8 +338,9 @@ def test_finalize_binds_the_cp_group_and_prebuilds_routes(fake_mcore: FakeMCore,
     prebuilt = fake_mcore.calls["prebuild_thd_cp_partition_routes"]
     if generation in HAS_ROUTES:
         [call] = prebuilt
-        assert call.bound["packed_seq_params"] is psp and call.bound["cp_group"] is expected_group
-        assert psp.cp_partition_route == ("route", expected_group.name, expected_group.size(), expected_group.rank())
+        assert call.bound["packed_seq_params"] is psp and call.bound["cp_group"] is (dynamic if attached else pgc.cp)
+        routed = dynamic if attached else pgc.cp
+        assert psp.cp_partition_route == ("route", routed.name, routed.size(), routed.rank())
     else:
         assert prebuilt == []
 
@@ -420,11 +413,9 @@ def test_bad_wrap_input_fails_before_mcore(
     pgc = pg_collection() if has_pgc else None
     with pytest.raises(ValueError) as excinfo:
         packing.wrap_data_iterator_for_global_batch_packing(raw, packing_config(scheduler), num_microbatches, pgc)
-    unregistered = scheduler == "nope"
-    if not unregistered or fake_mcore.generation in NATIVE_ADAPTER:
-        assert all(f in str(excinfo.value) for f in fragments), str(excinfo.value)
-    if unregistered:
-        assert_names_generation(str(excinfo.value), fake_mcore.generation)
+    assert all(f in str(excinfo.value) for f in fragments), str(excinfo.value)
+    if scheduler == "nope":
+        assert "mcore-compat pin" not in str(excinfo.value), "a typo gets no pin advice"
     assert fake_mcore.calls["wrap_data_iterator"] == []
     assert int(next(raw)["padded_seq_len"]) == LENGTHS[0], "nothing was pulled from the raw iterator"
 

@@ -22,6 +22,7 @@ from packing.global_batch import (
     make_unpacked_collate,
     validate_unpacked_sample,
 )
+from tests.conftest import CLONE_HINT
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -363,7 +364,7 @@ print(json.dumps(sorted({tuple(cls.get_required_sample_keys(None)) for cls in da
 def test_required_keys_match_megatron_core() -> None:
     src = os.environ.get("MCORE_SRC")
     if not src:
-        pytest.skip("MCORE_SRC is unset: point it at a Megatron-LM checkout (e.g. /work/mlm/dev)")
+        pytest.skip(f"MCORE_SRC is unset: {CLONE_HINT}")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, str(REPO)]), OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, "-c", _MCORE_KEYS], env=env, capture_output=True, text=True, timeout=300, check=False

@@ -1,18 +1,14 @@
 """Detection on real Megatron-LM history: the first commit of every generation, its parent, and both tips.
 
-Needs ``MCORE_REPO`` (a Megatron-LM git repository, e.g. ``/work/.mirror/NVIDIA+Megatron-LM/repo``).
-Detached worktrees are created once under ``MCORE_WORKTREES`` (default: the user cache directory,
-outside the project) and ``python -m mcore_compat doctor --json`` runs in a fresh interpreter with
-``PYTHONPATH=<worktree>``. The doctor's capability record is also compared with the fake of the same
+Needs ``MCORE_REPO`` (a Megatron-LM git repository); ``megatron/`` of each commit is extracted once into
+``MCORE_TREES`` (see ``tests/real_trees.py``) and ``python -m mcore_compat doctor --json`` runs in a fresh
+interpreter with ``PYTHONPATH=<tree>``. The doctor's capability record is also compared with the fake of the same
 generation, so the fakes the facade suite runs against are checked against the real thing.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -20,20 +16,13 @@ import pytest
 
 import mcore_compat
 from mcore_compat.adapters import ADAPTERS, UnsupportedAdapter
-from mcore_compat.generations import GENERATIONS
 from tests.conftest import FAKE_GENERATIONS, doctor_report
 from tests.fake_mcore import installed
+from tests.real_trees import FIRST_COMMITS, HOW_TO_GET_ONE, REPO, TIPS, tree
 
-REPO = os.environ.get("MCORE_REPO")
-CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-WORKTREES = Path(os.environ.get("MCORE_WORKTREES", CACHE / "mcore-compat" / "worktrees"))
+pytestmark = pytest.mark.skipif(REPO is None, reason=HOW_TO_GET_ONE)
 
-pytestmark = pytest.mark.skipif(REPO is None, reason="MCORE_REPO is unset: point it at a Megatron-LM git repository")
-
-FIRST_COMMITS: list[tuple[str, str]] = [
-    *((gen.id, gen.first_commit) for gen in GENERATIONS.values() if gen.first_commit),
-    ("G1", "274e04d21f"),
-]
+FIRST_COMMITS_AND_G1_ON_DEV = [*FIRST_COMMITS, ("G1", "274e04d21f")]
 PREVIOUS_GENERATION = {
     # generation -> what the parent of its first commit is (dev: G0 G1 G2 G3 G4 G4b G5 G6 G6b G7 G8;
     # main: G0 G1 M1 M2 M3)
@@ -52,7 +41,6 @@ PREVIOUS_GENERATION = {
     "c452d5a7ee": "M1",
     "a9381be598": "M2",
 }
-TIPS = {"dev": "G8", "main": "M3"}
 COMPARED_CAPABILITIES = (
     "scheduler_module",
     "scheduler_names",
@@ -65,31 +53,13 @@ COMPARED_CAPABILITIES = (
     "has_route_prebuilder",
     "packed_seq_params_fields",
     "init_cp_keywords",
+    "features",
 )
-
-
-def git(*args: str) -> str:
-    assert REPO is not None
-    return subprocess.run(["git", "-C", REPO, *args], capture_output=True, text=True, check=True).stdout.strip()
-
-
-def worktree(rev: str, name: str) -> Path:
-    """A detached worktree of ``rev`` under the cache directory, created on first use."""
-    sha = git("rev-parse", "--verify", f"{rev}^{{commit}}")
-    tree = WORKTREES / f"{name}-{sha[:10]}"
-    if (tree / "megatron" / "core").is_dir():
-        return tree
-    if tree.exists():
-        shutil.rmtree(tree)
-    WORKTREES.mkdir(parents=True, exist_ok=True)
-    git("worktree", "prune")
-    git("worktree", "add", "--detach", "--force", str(tree), sha)
-    return tree
 
 
 def declaring_adapter(generation: str) -> str:
     """The adapter that declares ``generation``, else the terminal UnsupportedAdapter."""
-    return next((cls.__name__ for cls in ADAPTERS if generation in cls.generations), UnsupportedAdapter.__name__)
+    return next((cls.__name__ for cls in ADAPTERS if generation in cls.generations()), UnsupportedAdapter.__name__)
 
 
 def fake_capabilities(generation: str) -> dict[str, Any]:
@@ -99,20 +69,21 @@ def fake_capabilities(generation: str) -> dict[str, Any]:
         return json.loads(json.dumps(mcore_compat.detect().as_dict()))
 
 
-def assert_detected(tree: Path, generation: str) -> dict[str, Any]:
-    status, report = doctor_report(tree, cwd=tree)
+def assert_detected(root: Path, generation: str) -> dict[str, Any]:
+    status, report = doctor_report(root, cwd=root)
     caps = report["capabilities"]
     assert report["generation"] == generation, f"{tree}: import_error={caps['import_error']}"
     assert report["adapter"] == declaring_adapter(generation)
     assert status == (0 if report["runnable"] else 1)
-    assert caps["mcore_path"] == str((tree / "megatron" / "core").resolve())
+    assert caps["mcore_path"] == str((root / "megatron" / "core").resolve())
     return report
 
 
-@pytest.mark.parametrize(("generation", "commit"), FIRST_COMMITS, ids=[f"{g}-{c}" for g, c in FIRST_COMMITS])
+@pytest.mark.parametrize(
+    ("generation", "commit"), FIRST_COMMITS_AND_G1_ON_DEV, ids=[f"{g}-{c}" for g, c in FIRST_COMMITS_AND_G1_ON_DEV]
+)
 def test_first_commit_detects_its_generation(generation: str, commit: str) -> None:
-    report = assert_detected(worktree(commit, generation), generation)
-    assert report["capabilities"]["mcore_commit"].startswith(commit)
+    report = assert_detected(tree(commit), generation)
     fake = fake_capabilities(generation)
     real = report["capabilities"]
     assert {k: real[k] for k in COMPARED_CAPABILITIES} == {k: fake[k] for k in COMPARED_CAPABILITIES}
@@ -121,12 +92,13 @@ def test_first_commit_detects_its_generation(generation: str, commit: str) -> No
 
 @pytest.mark.parametrize("commit", PREVIOUS_GENERATION, ids=[f"{c}^" for c in PREVIOUS_GENERATION])
 def test_parent_of_first_commit_is_the_previous_generation(commit: str) -> None:
-    assert_detected(worktree(f"{commit}^", f"parent-of-{commit}"), PREVIOUS_GENERATION[commit])
+    assert_detected(tree(f"{commit}^"), PREVIOUS_GENERATION[commit])
 
 
 @pytest.mark.parametrize("branch", TIPS)
 def test_branch_tip(branch: str) -> None:
-    report = assert_detected(worktree(branch, f"tip-{branch}"), TIPS[branch])
+    commit, generation = TIPS[branch]
+    report = assert_detected(tree(commit), generation)
     assert report["runnable"], "both tips run dp_balanced natively"
     by_request = {(row["scheduler"], row["dynamic_cp"]): row["runnable"] for row in report["schedulers"]}
     assert by_request[("default_dynamic_cp", True)] is (branch == "dev")

@@ -26,7 +26,7 @@ def installed() -> Iterator[tuple[Capabilities, pins.Pin]]:
     """The real detection (never a cached fake) and the pin it matches."""
     mcore_compat.reset()
     caps = mcore_compat.detect()
-    pin = pins.match_installed(caps, pins.load())
+    pin = doctor.match_installed(caps, pins.load())
     expected = os.environ.get(EXPECT_PIN)
     if expected and (pin is None or pin.name != expected):
         pytest.fail(f"{EXPECT_PIN}={expected!r} but the installed Megatron-Core is {caps.describe()} (pin: {pin})")
@@ -57,7 +57,8 @@ def test_probe_outcome_of_every_scheduler_and_mode(installed: tuple[Capabilities
         f"{row['scheduler']}:{'dynamic' if row['dynamic_cp'] else 'static'}": row for row in report["schedulers"]
     }
     assert set(pin.runs) <= set(outcomes), f"{pin.name}: doctor does not probe {set(pin.runs) - set(outcomes)}"
-    wrong = {key: row["reason"] for key, row in outcomes.items() if row["runnable"] != (key in pin.runs)}
+    runs = {key for key, row in outcomes.items() if row["runnable"] or row.get("needs_model_support")}
+    wrong = {key: row["reason"] for key, row in outcomes.items() if (key in runs) != (key in pin.runs)}
     assert wrong == {}, f"{pin.name}: expected exactly {pin.runs} to run"
     assert report["runnable"] == bool(pin.runs)
 
@@ -76,6 +77,8 @@ def test_status_from_an_installed_package_names_the_pin(
         timeout=300,
         check=False,
     )
+    if "No module named mcore_compat" in result.stderr and not os.environ.get(EXPECT_PIN):
+        pytest.skip("mcore-compat is not installed in this environment (each pin session installs it)")
     assert result.returncode == 0, result.stderr
     fields = dict(line.split(maxsplit=1) for line in result.stdout.splitlines())
     assert (fields["pin"], fields["generation"]) == (pin.name, pin.generation)

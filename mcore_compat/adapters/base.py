@@ -1,12 +1,14 @@
 """The adapter contract and the rules shared by every adapter.
 
-An adapter turns the facade's stable calls into the calls one family of Megatron-Core generations
-understands. Subclasses declare the generations they cover and a ``matches`` predicate over
-:class:`~mcore_compat.capabilities.Capabilities`; they never look at version numbers.
+An adapter turns the facade's stable calls into the calls the Megatron-Core generations it serves
+understand. Which rows of the generation table it serves is written in the table (``Generation.adapter``);
+every fact an adapter acts on comes from the matched row (``self.facts``), or, for an MCore that
+matches no row, from the features detection observed. Adapters never look at version numbers.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
 from abc import ABC, abstractmethod
@@ -14,49 +16,67 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from mcore_compat.capabilities import Capabilities, route_prebuilder
-from mcore_compat.generations import (
-    DYNAMIC_CP_PIN,
-    FETCH_FUNCTION,
-    NATIVE_SCHEDULER_PINS,
-    SCHEDULER_MODULE,
-    SWITCH_SCRIPT,
-    WRAP_FUNCTION,
-)
+from mcore_compat.errors import PackingConfigError, UnsupportedPinError
+from mcore_compat.generations import FETCH_FUNCTION, GENERATIONS, SCHEDULER_MODULE, WRAP_FUNCTION, Generation
+from mcore_compat.pins import load as load_pins
+from mcore_compat.results import PackedBatch, SchedulerApi, WrapResult
 
+STATIC_SCHEDULERS: tuple[str, ...] = ("dp_balanced",)
 DYNAMIC_CP_SCHEDULERS: tuple[str, ...] = ("default_dynamic_cp",)
 FETCH_ARITY = 7
 
-PackedBatch = tuple[Any, Any, Any, None, Any, Any, Any]
-WrapResult = tuple[Any, int, float, float]
+
+def pin_hint(names: list[str]) -> str:
+    """The remedy that names the pins to switch to (``mcore-compat pin`` is on every installation's PATH)."""
+    if len(names) > 2:
+        return (
+            f"Switch the Megatron-Core pin, e.g. with `mcore-compat pin {names[-1]}` "
+            f"(`mcore-compat pin list`; {len(names)} pins run it: {', '.join(names)})."
+        )
+    commands = " or ".join(f"`mcore-compat pin {name}`" for name in names)
+    return f"Switch the Megatron-Core pin with {commands}."
 
 
-def switch_hint(pin: str) -> str:
-    """The remedy sentence that ends every probe message."""
-    return f"Switch the Megatron-Core pin with `{SWITCH_SCRIPT} {pin}`."
+def pins_running(scheduler: str, dynamic_cp: bool) -> list[str]:
+    """The supported pins on which ``scheduler`` runs in that mode (``pins.toml`` ``runs``)."""
+    mode = f"{scheduler}:{'dynamic' if dynamic_cp else 'static'}"
+    return [pin.name for pin in load_pins().pins.values() if mode in pin.runs]
 
 
 class PackingAdapter(ABC):
-    """Drive global-batch packing on one family of Megatron-Core generations."""
+    """Drive global-batch packing on the generations whose row in the generation table names this adapter."""
 
-    generations: ClassVar[tuple[str, ...]]
-    covers: ClassVar[str]
     backend: ClassVar[str] = "native"
     """Who packs: Megatron-Core's own scheduler ("native") or mcore-compat's ("portable")."""
 
     def __init__(self, capabilities: Capabilities) -> None:
         self.capabilities = capabilities
+        self.facts: Generation = capabilities.facts
         self._prebuild_route = route_prebuilder() if capabilities.has_route_prebuilder else None
         self._resolve_cp_group = self._mcore_resolve_cp_group()
         self._mtp_probe: MtpProbe | None = None
 
     @classmethod
     @abstractmethod
-    def matches(cls, capabilities: Capabilities) -> bool:
-        """Whether the detected capabilities belong to this adapter's family."""
+    def speaks(cls, capabilities: Capabilities) -> bool:
+        """Whether an MCore that matches no row has the entry points this adapter drives (feature-first)."""
+
+    @classmethod
+    def generations(cls) -> tuple[str, ...]:
+        """The generation-table rows this adapter serves."""
+        return tuple(row.id for row in GENERATIONS.values() if row.adapter == cls.__name__)
 
     @property
     def name(self) -> str:
         return type(self).__name__
+
+    def serving(self) -> str:
+        """``NativeSchedulerAdapter for G4 (dev <first commit>)``, or the features it was chosen by."""
+        if self.capabilities.generation is not None:
+            return f"{self.name} for {self.facts.label()}"
+        if self.capabilities.unknown_generation:
+            return f"{self.name} for an unknown generation, served from its features"
+        return self.name
 
     # -- what this pin can do -------------------------------------------------------------------
 
@@ -64,10 +84,37 @@ class PackingAdapter(ABC):
     def probe(self, scheduler: str, *, dynamic_cp: bool = False) -> str | None:
         """Why ``scheduler`` cannot run on this pin, as one actionable sentence, or None."""
 
-    def refusal(self, missing: str, *, pin: str | None = None) -> str:
-        """Format a probe answer: what is missing, the detected generation and the pin that has it."""
-        pin = pin or NATIVE_SCHEDULER_PINS[-1]
-        return f"{missing}; detected {self.capabilities.describe()}. {switch_hint(pin)}"
+    def refusal(self, missing: str, remedy: str) -> str:
+        """Format a probe answer: what is missing, the detected generation and what fixes it from here."""
+        return f"{missing}; detected {self.capabilities.describe()}. {remedy}"
+
+    def switch_remedy(self, scheduler: str, dynamic_cp: bool, has_it: Callable[[Generation], bool]) -> str:
+        """What fixes a missing feature for where the user stands: the dev commits that have it, and the pins."""
+        names = pins_running(scheduler, dynamic_cp)
+        hint = pin_hint(names) if names else "No supported pin runs it yet."
+        if self.facts.lineage == "dev" and self.capabilities.generation is not None:
+            first = next((row for row in GENERATIONS.values() if row.lineage == "dev" and has_it(row)), None)
+            if first is not None:
+                since = f"{first.first_commit} on ({first.id}: {first.summary})"
+                return f"Megatron-LM dev commits have it from {since}. {hint}"
+        return hint
+
+    def unknown_scheduler(self, scheduler: str, known: tuple[str, ...]) -> str | None:
+        """A name no backend of this pin knows: a typo gets the spelling, not a pin switch."""
+        every = sorted({*known, *STATIC_SCHEDULERS, *DYNAMIC_CP_SCHEDULERS})
+        if scheduler in every:
+            return None
+        folded = {name.lower(): name for name in every}
+        close = (
+            [folded[scheduler.lower()]]
+            if scheduler.lower() in folded
+            else difflib.get_close_matches(scheduler, every, n=1)
+        )
+        spelling = f"did you mean {close[0]!r}? " if close else ""
+        return (
+            f"sequence_packing_scheduler={scheduler!r} is not a scheduler name; {spelling}"
+            f"known names: {', '.join(every)} (exact spelling)"
+        )
 
     def scheduler_mismatch(self, scheduler: str, dynamic_cp: bool) -> str | None:
         """Reject a dynamic scheduler without dynamic CP, and a static one with it."""
@@ -84,36 +131,42 @@ class PackingAdapter(ABC):
         return None
 
     def missing_native_api(self, scheduler: str, dynamic_cp: bool) -> str | None:
-        """Explain, from the capabilities alone, what MCore's native scheduler lacks for this request."""
-        caps = self.capabilities
-        pin = DYNAMIC_CP_PIN if dynamic_cp else None
+        """Explain, from the capabilities and the generation facts, what MCore's scheduler lacks for this request."""
+        caps, facts = self.capabilities, self.facts
         if caps.import_error is not None:
-            return self.refusal(f"{SCHEDULER_MODULE} failed to import: {caps.import_error}", pin=pin)
-        if not caps.scheduler_module:
-            return self.refusal(f"this Megatron-Core has no {SCHEDULER_MODULE} module", pin=pin)
-        missing = [n for n, p in ((WRAP_FUNCTION, caps.wrap_params), (FETCH_FUNCTION, caps.fetch_params)) if p is None]
-        if missing:
-            return self.refusal(f"{SCHEDULER_MODULE} has no {' or '.join(missing)}", pin=pin)
+            return self.refusal(
+                f"{SCHEDULER_MODULE} failed to import: {caps.import_error}",
+                "Fix that import error (the message names the missing package).",
+            )
+        if not caps.has_native_scheduler:
+            missing = [n for n, p in ((WRAP_FUNCTION, caps.wrap_params), (FETCH_FUNCTION, caps.fetch_params)) if not p]
+            what = (
+                f"this Megatron-Core has no {SCHEDULER_MODULE} module"
+                if not caps.scheduler_module
+                else (f"{SCHEDULER_MODULE} has no {' or '.join(missing)}")
+            )
+            return self.refusal(what, self.switch_remedy(scheduler, dynamic_cp, lambda row: row.native_scheduler))
+        for fn, params in ((WRAP_FUNCTION, caps.wrap_params), (FETCH_FUNCTION, caps.fetch_params)):
+            if "pg_collection" not in (params or ()):
+                return self.refusal(
+                    f"{fn} does not accept pg_collection (a ProcessGroupCollection)",
+                    self.switch_remedy(scheduler, dynamic_cp, lambda row: row.native_scheduler),
+                )
         if not self._registered(scheduler):
             keyed = "PackingSchedulerEnum" if caps.registry_key == "enum" else "str"
             return self.refusal(
                 f"scheduler {scheduler!r} is not registered in scheduler_map (keyed by {keyed}; "
                 f"registered: {', '.join(caps.scheduler_names) or 'none'})",
-                pin=DYNAMIC_CP_PIN if scheduler in DYNAMIC_CP_SCHEDULERS or dynamic_cp else None,
+                self.switch_remedy(scheduler, dynamic_cp, lambda row: scheduler in row.dynamic_cp_schedulers),
             )
-        for fn, params in ((WRAP_FUNCTION, caps.wrap_params), (FETCH_FUNCTION, caps.fetch_params)):
-            if "pg_collection" not in (params or ()):
-                return self.refusal(f"{fn} does not accept pg_collection", pin=pin)
-        if dynamic_cp:
-            for keyword in ("dynamic_cp", "config"):
-                if keyword not in (caps.fetch_params or ()):
-                    return self.refusal(f"{FETCH_FUNCTION} does not accept {keyword}", pin=DYNAMIC_CP_PIN)
-            if caps.dynamic_cp_group_getter != "get_dynamic_data_context_parallel_groups":
-                return self.refusal(
-                    "parallel_state has no get_dynamic_data_context_parallel_groups "
-                    f"(found {caps.dynamic_cp_group_getter or 'no dynamic/hybrid group getter'})",
-                    pin=DYNAMIC_CP_PIN,
-                )
+        if dynamic_cp and not (
+            facts.runs_dynamic_cp_natively and caps.dynamic_cp_group_getter == facts.dynamic_cp_group_getter
+        ):
+            return self.refusal(
+                f"dynamic context parallelism needs {FETCH_FUNCTION} to take dynamic_cp and parallel_state."
+                f"{facts.dynamic_cp_group_getter or 'get_dynamic_data_context_parallel_groups'}",
+                self.switch_remedy(scheduler, dynamic_cp, lambda row: row.runs_dynamic_cp_natively),
+            )
         return None
 
     def _registered(self, scheduler: str) -> bool:
@@ -122,17 +175,34 @@ class PackingAdapter(ABC):
         return scheduler in self.capabilities.scheduler_names
 
     def require_runnable(self, model_config: Any) -> str:
-        """Return the configured scheduler name, or raise ``ValueError`` before any collective."""
+        """Return the configured scheduler name, or raise before any collective.
+
+        Raises ``PackingConfigError`` without a scheduler name and ``UnsupportedPinError`` with the probe's refusal.
+        """
         scheduler = getattr(model_config, "sequence_packing_scheduler", None)
         if not isinstance(scheduler, str):
-            raise ValueError(
+            raise PackingConfigError(
                 f"model_config.sequence_packing_scheduler={scheduler!r} is not a scheduler name; "
                 "set it to 'dp_balanced' (or 'default_dynamic_cp' with dynamic context parallelism)"
             )
-        reason = self.probe(scheduler, dynamic_cp=self.dynamic_cp_enabled(model_config))
+        reason = self.probe(scheduler, dynamic_cp=self.dynamic_cp_enabled(model_config)) or self.config_refusal(
+            model_config
+        )
         if reason is not None:
-            raise ValueError(reason)
+            raise UnsupportedPinError(reason)
         return scheduler
+
+    def config_refusal(self, model_config: Any) -> str | None:
+        """A model-config flag that would take the step away from packed microbatches on this pin, or None."""
+        flag = self.facts.schedule_diverts_on
+        if flag is None or getattr(model_config, flag, None) is not True:
+            return None
+        return self.refusal(
+            f"model_config.{flag}=True makes this Megatron-Core's forward_backward_no_pipelining run its own "
+            "hybrid/dynamic-CP schedule, which expects its data-loader wrapper's output, not packed THD microbatches",
+            f"Set {flag}=False on the model config (mcore-compat's dynamic CP is requested with "
+            "dynamic_context_parallel=True instead).",
+        )
 
     # -- config reading -------------------------------------------------------------------------
 
@@ -159,13 +229,25 @@ class PackingAdapter(ABC):
         """TP rank 0 of the PP stages that own data on this generation."""
         if pg_collection.tp.rank() != 0:
             return False
-        info = self.capabilities.generation_info
-        if info is not None and info.pipeline_data_stages == "every":
+        if self.facts.pipeline_data_stages == "every":
             return True
         pp_rank, pp_size = pg_collection.pp.rank(), pg_collection.pp.size()
         return pp_rank in (0, pp_size - 1)
 
     # -- the three steps ------------------------------------------------------------------------
+
+    def scheduler_api(self) -> SchedulerApi:
+        """``(wrap_data_iterator, get_batch_on_this_rank_for_sequence_packing)`` as this pin runs them.
+
+        Called in Megatron-Core's shape (what ``packing._scheduler_api`` returns); raises
+        ``UnsupportedPinError`` where no backend can pack on this pin.
+        """
+        raise UnsupportedPinError(
+            self.probe("dp_balanced")
+            or self.refusal(
+                "no backend of mcore-compat runs here", "Install a supported pin (`mcore-compat pin list`)."
+            )
+        )
 
     @abstractmethod
     def wrap(self, data_iterator: Any, model_config: Any, num_microbatches: int, pg_collection: Any) -> WrapResult:
@@ -177,15 +259,27 @@ class PackingAdapter(ABC):
     ) -> PackedBatch:
         """Fetch one packed microbatch as the 7-tuple; see ``packing.get_batch_for_global_batch_packing``."""
 
-    def finalize(self, packed_seq_params: Any, pg_collection: Any) -> Any:
-        """Bind the CP group (dynamic if attached, else ``pg_collection.cp``) and prebuild the THD route."""
+    def finalize(
+        self, packed_seq_params: Any, pg_collection: Any, *, route_prebuilder: RoutePrebuilder | None = None
+    ) -> Any:
+        """Bind the microbatch's CP group where attention reads it, and prebuild the THD route where the pin has one.
+
+        Where Transformer Engine's attention wrapper treats any bound ``cp_group`` as a per-microbatch group
+        (releases 0.16-0.19, main, dev before the dynamic-CP rename: ``bound_cp_group_switches_attention``),
+        only an attached dynamic group stays bound and the static group is never bound, so attention runs on
+        the model's own CP groups. Elsewhere (dev from the rename on) the resolved group is bound: the attached
+        dynamic group, else ``pg_collection.cp``. ``route_prebuilder`` (``packing._thd_cp_route_prebuilder``)
+        is asked for the prebuild at call time; without it the pin's own is used.
+        """
         if packed_seq_params is None:
             return None
         cp_group = self._resolve_cp_group(pg_collection.cp, packed_seq_params)
-        if "cp_group" in self.capabilities.packed_seq_params_fields:
+        fields = self.capabilities.packed_seq_params_fields
+        if "cp_group" in fields and not self.facts.bound_cp_group_switches_attention:
             packed_seq_params.cp_group = cp_group
-        if self._prebuild_route is not None:
-            self._prebuild_route(packed_seq_params, cp_group)
+        prebuild_route = self._prebuild_route if route_prebuilder is None else route_prebuilder()
+        if prebuild_route is not None:
+            prebuild_route(packed_seq_params, cp_group)
         return packed_seq_params
 
     def _mcore_resolve_cp_group(self) -> Callable[[Any, Any], Any]:
@@ -201,6 +295,7 @@ def resolve_cp_group(static_cp_group: Any, packed_seq_params: Any = None) -> Any
 
 
 MtpProbe = Callable[[Any, int | None], bool]
+RoutePrebuilder = Callable[[], Callable[..., None] | None]
 
 
 def mtp_probe() -> MtpProbe:
@@ -220,3 +315,20 @@ def mtp_probe() -> MtpProbe:
             vp_stage=vp_stage,
         )
     )
+
+
+__all__ = [
+    "DYNAMIC_CP_SCHEDULERS",
+    "FETCH_ARITY",
+    "MtpProbe",
+    "PackedBatch",
+    "PackingAdapter",
+    "RoutePrebuilder",
+    "SchedulerApi",
+    "WrapResult",
+    "STATIC_SCHEDULERS",
+    "mtp_probe",
+    "pin_hint",
+    "pins_running",
+    "resolve_cp_group",
+]

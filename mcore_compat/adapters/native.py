@@ -1,49 +1,104 @@
-"""Shared driver for generations whose Megatron-Core ships the packing scheduler itself."""
+"""Adapter for generations whose Megatron-Core ships the packing scheduler itself (dev G2-G8, main M3)."""
 
 from __future__ import annotations
 
 import importlib
-from typing import Any, ClassVar
+import itertools
+from typing import TYPE_CHECKING, Any
 
-from mcore_compat.adapters.base import FETCH_ARITY, PackedBatch, PackingAdapter, WrapResult
+import mcore_compat.runtime as runtime
+from mcore_compat.adapters.base import (
+    DYNAMIC_CP_SCHEDULERS,
+    FETCH_ARITY,
+    PackedBatch,
+    PackingAdapter,
+    RoutePrebuilder,
+    WrapResult,
+)
+from mcore_compat.agreement import agree
 from mcore_compat.capabilities import Capabilities
+
+if TYPE_CHECKING:
+    from mcore_compat.adapters.portable import PortableAdapter
+from mcore_compat.contract import SAMPLE_FORMS, LocalBatch, convert_items, read_step
 from mcore_compat.generations import FETCH_FUNCTION, SCHEDULER_MODULE, WRAP_FUNCTION
 from mcore_compat.portable import SCHEDULERS as PORTABLE_SCHEDULERS
+from mcore_compat.portable.errors import Problem, raise_if_bad, record
+from mcore_compat.results import SchedulerApi
+
+_EVERY_STAGE_FIELDS = ("pipeline_model_parallel_layout", "mtp_num_layers")
+"""Config fields Megatron-Core's scheduler reads (through ``mtp_on_this_rank``) where every PP stage loads data."""
 
 
 class NativeSchedulerAdapter(PackingAdapter):
-    """Call MCore's ``wrap_data_iterator`` and packed fetch with the keywords this family takes."""
+    """Call MCore's ``wrap_data_iterator`` and packed fetch with the keywords the generation's row lists.
 
-    fetch_keywords: ClassVar[tuple[str, ...]] = ()
+    The fetch's optional keywords (``dynamic_cp`` from G4, ``config`` from G5), its arity and the PP stages
+    that load data come from the generation table; ``wrap_data_iterator`` looks the configured name up in
+    the pin's own registry (string keys on dev, ``PackingSchedulerEnum`` on main).
+    """
 
     def __init__(self, capabilities: Capabilities) -> None:
         super().__init__(capabilities)
+        self._packed_count: int | None = None
+        self._fetched: dict[int | None, int] = {}
         module = importlib.import_module(SCHEDULER_MODULE)
         self._wrap = getattr(module, WRAP_FUNCTION)
         self._fetch = getattr(module, FETCH_FUNCTION)
-        self._portable_adapter: PackingAdapter | None = None
+        self._portable_adapter: PortableAdapter | None = None
 
     @classmethod
-    def takes_fetch_keywords(cls, capabilities: Capabilities) -> bool:
-        """The packed fetch accepts exactly this family's optional keywords."""
-        params = capabilities.fetch_params or ()
-        return all(k in params for k in cls.fetch_keywords) and not any(
-            k in params for k in ("dynamic_cp", "config") if k not in cls.fetch_keywords
+    def speaks(cls, capabilities: Capabilities) -> bool:
+        """Both entry points exist and take ``pg_collection``; any other fetch keyword is one this adapter passes."""
+        known = {"data_iterator", "vpp_size", "mtp_on_this_rank", "vp_stage", "pg_collection", "dynamic_cp", "config"}
+        return (
+            capabilities.has_native_scheduler
+            and "pg_collection" in (capabilities.wrap_params or ())
+            and "pg_collection" in (capabilities.fetch_params or ())
+            and set(capabilities.fetch_params or ()) <= known
         )
 
     def probe(self, scheduler: str, *, dynamic_cp: bool = False) -> str | None:
-        if self._runs_portably(scheduler):
+        if self._runs_portably(scheduler, dynamic_cp):
             return self._portable().probe(scheduler, dynamic_cp=dynamic_cp)
-        return self.missing_native_api(scheduler, dynamic_cp) or self.scheduler_mismatch(scheduler, dynamic_cp)
+        return (
+            self.unknown_scheduler(scheduler, (*self.capabilities.scheduler_names, *PORTABLE_SCHEDULERS))
+            or self.scheduler_mismatch(scheduler, dynamic_cp)
+            or self.missing_native_api(scheduler, dynamic_cp)
+        )
+
+    def scheduler_api(self) -> SchedulerApi:
+        return self._wrap, self._fetch
 
     # -- schedulers Megatron-Core's registry lacks run on the portable backend ------------------
 
-    def _runs_portably(self, scheduler: Any) -> bool:
-        """A portable scheduler name that this pin's (readable) registry does not hold."""
-        registry = self.capabilities.scheduler_names
-        return scheduler in PORTABLE_SCHEDULERS and bool(registry) and not self._registered(scheduler)
+    def data_probe(self, scheduler: str, *, dynamic_cp: bool = False) -> str | None:
+        """The probe without the model side (see :meth:`PortableAdapter.data_probe`)."""
+        if self._runs_portably(scheduler, dynamic_cp):
+            return self._portable().data_probe(scheduler, dynamic_cp=dynamic_cp)
+        return self.probe(scheduler, dynamic_cp=dynamic_cp)
 
-    def _portable(self) -> PackingAdapter:
+    def _runs_portably(self, scheduler: Any, dynamic_cp: bool) -> bool:
+        """What the portable backend runs here: a portable scheduler name the pin's (readable) registry lacks,
+        and dynamic CP where MCore's own scheduler does not form dynamic groups (main: its registry has no
+        ``default_dynamic_cp``, but the pin has DP x CP sub-groups; dev commits before G4 are pointed at the dev
+        commits whose own scheduler runs it)."""
+        registry = self.capabilities.scheduler_names
+        if scheduler in PORTABLE_SCHEDULERS and bool(registry) and not self._registered(scheduler):
+            return True
+        return (
+            dynamic_cp
+            and scheduler in DYNAMIC_CP_SCHEDULERS
+            and self.facts.lineage != "dev"
+            and not self.facts.runs_dynamic_cp_natively
+            and self.capabilities.dynamic_cp_group_getter is not None
+        )
+
+    def _config_runs_portably(self, model_config: Any) -> bool:
+        scheduler = getattr(model_config, "sequence_packing_scheduler", None)
+        return self._runs_portably(scheduler, self.dynamic_cp_enabled(model_config))
+
+    def _portable(self) -> PortableAdapter:
         if self._portable_adapter is None:
             from mcore_compat.adapters.portable import PortableAdapter
 
@@ -51,19 +106,66 @@ class NativeSchedulerAdapter(PackingAdapter):
         return self._portable_adapter
 
     def wrap(self, data_iterator: Any, model_config: Any, num_microbatches: int, pg_collection: Any) -> WrapResult:
-        if self._runs_portably(getattr(model_config, "sequence_packing_scheduler", None)):
+        """Check the settings, agree on this step's samples on every rank, then run MCore's scheduler.
+
+        MCore pulls the checked items (converted into a form it reads, where the pin needs that)
+        from a replaying iterator, so it sees what it would have pulled from ``data_iterator``.
+        """
+        if self._config_runs_portably(model_config):
             return self._portable().wrap(data_iterator, model_config, num_microbatches, pg_collection)
+        self._check_runtime_config(model_config)
         self.require_runnable(model_config)
-        iterator = data_iterator if self.rank_loads_data(pg_collection) else no_data(model_config)
+        dynamic_cp = self.dynamic_cp_enabled(model_config)
+        if dynamic_cp:
+            runtime.check_min_dynamic_cp_size(model_config, pg_collection.dp_cp.size())
+        limits = runtime.step_limits(model_config, pg_collection, dynamic_cp)
+        self._fetched, self._packed_count = {}, None
+        batch: LocalBatch | None = None
+        source, position = None, None
+        if self.rank_loads_data(pg_collection):
+            source, position = self._stage_source(data_iterator, model_config)
+            batch = read_step(source, num_microbatches, pg_collection.dp.rank(), limits)
+        agree(batch, num_microbatches, pg_collection)
+        iterator: Any
+        if batch is None:
+            iterator = no_data(model_config)
+        else:
+            items = convert_items(batch.items, self._sample_forms())
+            replay = itertools.chain(items, source or ())
+            iterator = replay if position is None else _replace(data_iterator, position, replay)
         packed, count, seqlen_sum, seqlen_squared_sum = self._wrap(
             iterator, model_config, num_microbatches, pg_collection=pg_collection
         )
-        return packed, int(count), float(seqlen_sum), float(seqlen_squared_sum)
+        self._packed_count = int(count)
+        return WrapResult(packed, int(count), float(seqlen_sum), float(seqlen_squared_sum))
+
+    def _check_runtime_config(self, model_config: Any) -> None:
+        """Strict flags and the fields this pin's scheduler reads, identical on every rank."""
+        runtime.check_dynamic_cp_flags(model_config)
+        runtime.scheduler_name(model_config, tuple(self.capabilities.scheduler_names))
+        fields: tuple[str, ...] = ("max_seqlen_per_dp_cp_rank", "virtual_pipeline_model_parallel_size")
+        if getattr(model_config, "virtual_pipeline_model_parallel_size", None) is not None:
+            fields += ("microbatch_group_size_per_vp_stage",)
+        if self.facts.pipeline_data_stages == "every":
+            fields += _EVERY_STAGE_FIELDS
+        runtime.require_fields(model_config, fields, f"Megatron-Core's {self.facts.id} scheduler")
+
+    def _sample_forms(self) -> tuple[str, ...]:
+        return self.facts.sample_forms or SAMPLE_FORMS
+
+    @staticmethod
+    def _stage_source(data_iterator: Any, model_config: Any) -> tuple[Any, int | None]:
+        """The iterator MCore pulls from: with VPP the first non-None of the per-stage list (and its index)."""
+        vpp_size = getattr(model_config, "virtual_pipeline_model_parallel_size", None)
+        if isinstance(vpp_size, int) and vpp_size > 1 and isinstance(data_iterator, list | tuple):
+            position = next((i for i, it in enumerate(data_iterator) if it is not None), None)
+            return (None, None) if position is None else (data_iterator[position], position)
+        return data_iterator, None
 
     def get_batch(
         self, data_iterator: Any, model_config: Any, *, pg_collection: Any, vp_stage: int | None
     ) -> PackedBatch:
-        if self._runs_portably(getattr(model_config, "sequence_packing_scheduler", None)):
+        if self._config_runs_portably(model_config):
             portable = self._portable()
             return portable.get_batch(data_iterator, model_config, pg_collection=pg_collection, vp_stage=vp_stage)
         kwargs: dict[str, Any] = {
@@ -72,13 +174,42 @@ class NativeSchedulerAdapter(PackingAdapter):
             "vp_stage": vp_stage,
             "pg_collection": pg_collection,
         }
-        if "dynamic_cp" in self.fetch_keywords:
+        if "dynamic_cp" in self.facts.fetch_keywords:
             kwargs["dynamic_cp"] = self.dynamic_cp_enabled(model_config)
-        if "config" in self.fetch_keywords:
+        if "config" in self.facts.fetch_keywords:
             kwargs["config"] = model_config
+        self._count_fetch(vp_stage)
         iterator = data_iterator if pg_collection.tp.rank() == 0 else None
         batch = tuple(self._fetch(iterator, **kwargs))
-        return batch + (None,) * (FETCH_ARITY - len(batch))  # type: ignore[return-value]
+        return PackedBatch(*batch, *(None,) * (FETCH_ARITY - len(batch)))
+
+    def finalize(
+        self, packed_seq_params: Any, pg_collection: Any, *, route_prebuilder: RoutePrebuilder | None = None
+    ) -> Any:
+        """A dynamic-CP microbatch the portable backend packed keeps its own group (as on the portable pins)."""
+        portable = (
+            getattr(packed_seq_params, "local_cp_size", None) is not None and not self.facts.runs_dynamic_cp_natively
+        )
+        if portable:
+            return self._portable().finalize(packed_seq_params, pg_collection, route_prebuilder=route_prebuilder)
+        return super().finalize(packed_seq_params, pg_collection, route_prebuilder=route_prebuilder)
+
+    def _count_fetch(self, vp_stage: int | None) -> None:
+        """Raise ``StopIteration`` on every TP rank for a fetch past the microbatch count ``wrap`` returned.
+
+        Every rank knows the count (MCore broadcasts it over TP), so no rank enters the fetch's
+        broadcast alone.
+        """
+        if self._packed_count is None:
+            return
+        done = self._fetched.get(vp_stage, 0)
+        if done >= self._packed_count:
+            raise_if_bad(record(Problem.PACKED_EXHAUSTED, a=self._packed_count))
+        self._fetched[vp_stage] = done + 1
+
+
+def _replace(iterators: Any, position: int, replay: Any) -> list[Any]:
+    return [replay if i == position else it for i, it in enumerate(iterators)]
 
 
 def no_data(model_config: Any) -> list[None] | None:
@@ -88,3 +219,9 @@ def no_data(model_config: Any) -> list[None] | None:
     """
     vpp_size = getattr(model_config, "virtual_pipeline_model_parallel_size", None)
     return [None] * vpp_size if isinstance(vpp_size, int) and vpp_size > 1 else None
+
+
+__all__ = [
+    "NativeSchedulerAdapter",
+    "no_data",
+]

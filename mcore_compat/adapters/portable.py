@@ -3,16 +3,17 @@
 It serves pins whose Megatron-Core has no scheduler, and on native pins the schedulers Megatron-Core's
 registry does not know (:data:`mcore_compat.portable.SCHEDULERS`, e.g. ``balanced``).
 
-Covers generations G0 (megatron-core 0.13.1-0.15.3), G1 (0.16.1-0.19.2, and dev 274e04d21f) and,
-on Megatron-LM ``main``, M1 (574e04ebf8) and M2 (c452d5a7ee): every ``megatron-core`` on the
-package index. Built on ``torch.distributed`` and the installed release's own ``PackedSeqParams``
-and ``RerunDataIterator``; it forms the same bins as Megatron-Core's ``dp_balanced`` (see
+Serves the generations without ``wrap_data_iterator`` (G0, G1, M1, M2 in the generation table):
+every ``megatron-core`` on the package index. Built on ``torch.distributed`` and the installed
+release's own ``PackedSeqParams`` and ``RerunDataIterator``; it forms the same bins as
+Megatron-Core's ``dp_balanced`` (see
 :mod:`mcore_compat.portable.schedule`) and returns what the facade returns on a native pin.
 
 One step (``wrap``), on TP rank 0 of each data-owning PP stage:
 
-1. pull ``num_microbatches`` items and check every sample locally (no raising yet);
-2. all-gather status and lengths over DP x CP, so every rank reaches the same verdict;
+1. pull ``num_microbatches`` items and check every sample against :mod:`mcore_compat.contract`;
+2. agree on the verdict with every rank (:mod:`mcore_compat.agreement`, one small all-gather), then
+   all-gather the lengths over DP x CP;
 3. plan the bins; send each sample to the DP rank that runs it (one ``all_to_all_single``);
 4. pack this rank's bins into THD microbatch dicts;
 5. middle PP stages get the bins' metadata from the first stage (PP > 2 only);
@@ -20,22 +21,32 @@ One step (``wrap``), on TP rank 0 of each data-owning PP stage:
 
 One microbatch (``get_batch``): TP rank 0 takes the next packed dict, slices it for its CP rank
 (zigzag) and broadcasts one packed buffer over TP; every rank builds the 7-tuple.
+
+``default_dynamic_cp`` (pins with DP x CP sub-groups: G1 and main, PP = 1) follows the same steps with
+the plan of :mod:`mcore_compat.portable.dynamic`: each DP x CP rank gets, per microbatch, the bin of its
+group (its samples sent over DP within each CP lane), sliced for its rank in the pin's sub-group of the
+bin's size; ``PackedSeqParams.local_cp_size`` is that size and ``cp_group`` that group (None without CP).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-from mcore_compat.adapters.base import DYNAMIC_CP_SCHEDULERS, PackedBatch, PackingAdapter, WrapResult
+import mcore_compat.dynamic_cp as dynamic_cp_support
+import mcore_compat.runtime as runtime
+from mcore_compat.adapters.base import DYNAMIC_CP_SCHEDULERS, PackedBatch, PackingAdapter, RoutePrebuilder, WrapResult
+from mcore_compat.agreement import agree
 from mcore_compat.capabilities import Capabilities
-from mcore_compat.generations import DYNAMIC_CP_PIN
-from mcore_compat.portable import SCHEDULERS, exchange
+from mcore_compat.contract import LocalBatch, read_step
+from mcore_compat.errors import PackingConfigError, UnsupportedPinError
+from mcore_compat.portable import SCHEDULERS, dynamic, exchange
+from mcore_compat.portable.entry_points import entry_points
 from mcore_compat.portable.errors import (
     OK,
     SAMPLE_KEYS,
@@ -54,12 +65,13 @@ from mcore_compat.portable.microbatch import (
     local_view,
     pack_bin,
 )
-from mcore_compat.portable.samples import LocalBatch, read_step
+from mcore_compat.portable.samples import read_step as read_portable_step
 from mcore_compat.portable.schedule import PLANNERS, judge, step_table
+from mcore_compat.results import SchedulerApi
 
 SCHEDULER = "dp_balanced"
 _STEP_WIDTH = VERDICT_WIDTH + 3  # verdict, microbatch count, seqlen sum, seqlen squared sum
-_MICROBATCH_HEADER = VERDICT_WIDTH + 3  # verdict, len(cu_seqlens), local tokens, max_seqlen
+_MICROBATCH_HEADER = VERDICT_WIDTH + 4  # verdict, len(cu_seqlens), local tokens, max_seqlen, local_cp_size (0: static)
 
 
 @dataclass(frozen=True)
@@ -93,24 +105,26 @@ def read_settings(model_config: Any) -> Settings:
     """Read and check the config (identical on every rank, so raising here cannot strand a peer)."""
     capacity = getattr(model_config, "max_seqlen_per_dp_cp_rank", None)
     if not _positive_int(capacity):
-        raise ValueError(
+        raise PackingConfigError(
             f"model_config.max_seqlen_per_dp_cp_rank={capacity!r}: set it to the positive number of padded "
             "tokens one DP x CP rank holds per microbatch (bins hold that times the context-parallel size)"
         )
     if getattr(model_config, "pad_packed_seq_alignment", None) is not None:
-        raise ValueError(
+        raise PackingConfigError(
             f"model_config.pad_packed_seq_alignment={model_config.pad_packed_seq_alignment!r}: THD tail padding "
             "is not implemented by the portable backend; leave it None (pad samples in the dataset instead)"
         )
     max_seqs = getattr(model_config, "thd_max_packed_sequences", None)
     if max_seqs is not None and not _positive_int(max_seqs):
-        raise ValueError(f"model_config.thd_max_packed_sequences={max_seqs!r}: use None or a positive int")
+        raise PackingConfigError(f"model_config.thd_max_packed_sequences={max_seqs!r}: use None or a positive int")
     vpp_size = getattr(model_config, "virtual_pipeline_model_parallel_size", None)
     vpp_group = getattr(model_config, "microbatch_group_size_per_vp_stage", None) if vpp_size is not None else None
     if vpp_group is not None and not _positive_int(vpp_group):
-        raise ValueError(f"model_config.microbatch_group_size_per_vp_stage={vpp_group!r}: use a positive int")
+        raise PackingConfigError(f"model_config.microbatch_group_size_per_vp_stage={vpp_group!r}: use a positive int")
     scheduler = getattr(model_config, "sequence_packing_scheduler", SCHEDULER)
-    return Settings(capacity, vpp_size, vpp_group, max_seqs, scheduler if scheduler in PLANNERS else SCHEDULER)
+    return Settings(
+        cast(int, capacity), vpp_size, vpp_group, max_seqs, scheduler if scheduler in PLANNERS else SCHEDULER
+    )
 
 
 class PortableAdapter(PackingAdapter):
@@ -121,11 +135,6 @@ class PortableAdapter(PackingAdapter):
     has no native scheduler.
     """
 
-    generations = ("G0", "G1", "M1", "M2")
-    covers = (
-        "portable backend: megatron-core 0.13.1-0.15.3 (G0), 0.16.1-0.19.2 and dev 274e04d21f (G1), "
-        "Megatron-LM main 574e04ebf8 .. a9381be598^ (M1, M2)"
-    )
     backend = "portable"
 
     def __init__(self, capabilities: Capabilities) -> None:
@@ -138,7 +147,7 @@ class PortableAdapter(PackingAdapter):
             self._rerun_iterator = iter
 
     @classmethod
-    def matches(cls, capabilities: Capabilities) -> bool:
+    def speaks(cls, capabilities: Capabilities) -> bool:
         return (
             capabilities.mcore_importable
             and not capabilities.has_native_scheduler
@@ -146,44 +155,66 @@ class PortableAdapter(PackingAdapter):
         )
 
     def probe(self, scheduler: str, *, dynamic_cp: bool = False) -> str | None:
-        names = " or ".join(map(repr, SCHEDULERS))
+        reason = self.data_probe(scheduler, dynamic_cp=dynamic_cp)
+        if reason is not None or not dynamic_cp:
+            return reason
+        return self.dynamic_cp_refusal()
+
+    def data_probe(self, scheduler: str, *, dynamic_cp: bool = False) -> str | None:
+        """The probe without the model side: whether the data path runs (dynamic CP: once the model follows)."""
         if not dynamic_cp and scheduler in SCHEDULERS:
             return None
-        if dynamic_cp and scheduler in SCHEDULERS and scheduler != SCHEDULER:
-            return self.refusal(
-                f"sequence_packing_scheduler={scheduler!r} plans static context-parallel bins; with "
-                f"dynamic_context_parallel=True use {DYNAMIC_CP_SCHEDULERS[0]!r}",
-                pin=DYNAMIC_CP_PIN,
-            )
-        if not dynamic_cp and scheduler not in DYNAMIC_CP_SCHEDULERS:
-            return self.refusal(
-                f"sequence_packing_scheduler={scheduler!r} is not a Megatron-Core scheduler name; the portable "
-                f"backend runs {names} (exact spelling)"
-            )
-        what = "dynamic context parallelism" if dynamic_cp else f"scheduler {scheduler!r}"
-        return self.refusal(
-            f"{what} needs Megatron-Core's native scheduler; the portable backend runs only {names} "
-            "with static context parallelism",
-            pin=DYNAMIC_CP_PIN,
+        return (
+            self.unknown_scheduler(scheduler, SCHEDULERS)
+            or self.scheduler_mismatch(scheduler, dynamic_cp)
+            or self._missing_sub_groups()
         )
+
+    def _missing_sub_groups(self) -> str | None:
+        caps = self.capabilities
+        if caps.dynamic_cp_group_getter is None or not {"local_cp_size", "cp_group"} <= set(self._psp_fields):
+            return self.refusal(
+                "dynamic context parallelism needs Megatron-Core's DP x CP sub-groups "
+                "(parallel_state.get_hybrid_data_context_parallel_groups) and PackedSeqParams.local_cp_size, "
+                "which this pin lacks",
+                self.switch_remedy(DYNAMIC_CP_SCHEDULERS[0], True, lambda row: row.dynamic_cp_group_getter is not None),
+            )
+        return None
+
+    def dynamic_cp_refusal(self, model_config: Any = None) -> str | None:
+        """Why ``default_dynamic_cp`` cannot run here: no DP x CP sub-groups, or a model that ignores them."""
+        return self._missing_sub_groups() or dynamic_cp_support.model_refusal(self.capabilities, model_config)
+
+    def scheduler_api(self) -> SchedulerApi:
+        return entry_points(self)
 
     # -- wrap: one step -------------------------------------------------------------------------
 
     def wrap(self, data_iterator: Any, model_config: Any, num_microbatches: int, pg_collection: Any) -> WrapResult:
+        runtime.check_dynamic_cp_flags(model_config)
+        runtime.scheduler_name(model_config)
         self.require_runnable(model_config)
         settings = read_settings(model_config)
+        if self.dynamic_cp_enabled(model_config):
+            return self._wrap_dynamic(data_iterator, model_config, num_microbatches, pg_collection, settings)
         tp, pp = pg_collection.tp, pg_collection.pp
         device = exchange.group_device(pg_collection.dp_cp)
+        batch = None
+        if self.rank_loads_data(pg_collection):
+            limits = runtime.step_limits(model_config, pg_collection, dynamic_cp=False)
+            source = self._stage_iterator(data_iterator, settings)
+            batch = read_step(source, num_microbatches, pg_collection.dp.rank(), limits)
+        agree(batch, num_microbatches, pg_collection)
         if tp.rank() != 0:
             words = exchange.broadcast_fixed(None, _STEP_WIDTH, tp, device)
             raise_if_bad(words[:VERDICT_WIDTH])
             count, seqlen_sum, squared_sum = words[VERDICT_WIDTH:]
-            return self._iterators(None, pg_collection, settings), count, float(seqlen_sum), float(squared_sum)
-        step = None
-        if self.rank_loads_data(pg_collection):
-            step = self._pack_step(
-                self._stage_iterator(data_iterator, settings), num_microbatches, pg_collection, settings, device
+            return WrapResult(
+                self._iterators(None, pg_collection, settings), count, float(seqlen_sum), float(squared_sum)
             )
+        step = None
+        if batch is not None:
+            step = self._pack_step(batch, num_microbatches, pg_collection, settings, device)
         if pp.size() > 2 and not self._every_stage_loads():
             step = self._share_with_middle_stages(step, pp, device)
         assert step is not None
@@ -192,11 +223,82 @@ class PortableAdapter(PackingAdapter):
         )
         raise_if_bad(step.verdict, step.cause)
         iterators = self._iterators(step.microbatches, pg_collection, settings)
-        return iterators, step.count, float(step.seqlen_sum), float(step.seqlen_squared_sum)
+        return WrapResult(iterators, step.count, float(step.seqlen_sum), float(step.seqlen_squared_sum))
+
+    def _wrap_dynamic(
+        self, data_iterator: Any, model_config: Any, num_microbatches: int, pg: Any, settings: Settings
+    ) -> WrapResult:
+        """``default_dynamic_cp`` (PP = 1): each DP x CP rank gets, per microbatch, the bin of its dynamic group."""
+        reason = self.dynamic_cp_refusal(model_config)
+        if reason is not None:
+            raise UnsupportedPinError(reason)
+        min_size = dynamic_cp_support.check_dynamic_cp_rules(self.capabilities, model_config, pg)
+        dynamic_cp_support.require_dynamic_cp_groups(self.capabilities, pg.dp_cp.size(), min_size)
+        tp = pg.tp
+        device = exchange.group_device(pg.dp_cp)
+        if tp.rank() != 0:
+            words = exchange.broadcast_fixed(None, _STEP_WIDTH, tp, device)
+            raise_if_bad(words[:VERDICT_WIDTH])
+            count, seqlen_sum, squared_sum = words[VERDICT_WIDTH:]
+            return WrapResult(self._iterators(None, pg, settings), count, float(seqlen_sum), float(squared_sum))
+        step = self._pack_dynamic_step(data_iterator, num_microbatches, pg, settings, min_size, device)
+        exchange.broadcast_fixed(
+            [*step.verdict, step.count, step.seqlen_sum, step.seqlen_squared_sum], _STEP_WIDTH, tp, device
+        )
+        raise_if_bad(step.verdict, step.cause)
+        iterators = self._iterators(step.microbatches, pg, settings)
+        return WrapResult(iterators, step.count, float(step.seqlen_sum), float(step.seqlen_squared_sum))
+
+    @staticmethod
+    def _pack_dynamic_step(
+        data_iterator: Any, num_microbatches: int, pg: Any, settings: Settings, min_size: int, device: torch.device
+    ) -> Step:
+        dp, cp, dp_cp = pg.dp, pg.cp, pg.dp_cp
+        batch = read_portable_step(data_iterator, num_microbatches, dp.rank(), 1)
+        reports = exchange.gather_lengths(batch, dp.rank(), cp.rank(), dp_cp, num_microbatches, device)
+        pool = dp_cp.size()
+        verdict = judge(
+            reports, capacity=settings.max_seqlen_per_dp_cp_rank * pool, dp_size=dp.size(), cp_size=cp.size()
+        )
+        if verdict != OK:
+            return Step(verdict, [], cause=batch.cause)
+        table = step_table(reports, cp.rank())
+        plan = dynamic.plan_default_dynamic_cp(
+            table.padded, max_seqlen_per_rank=settings.max_seqlen_per_dp_cp_rank, ranks=pool, min_size=min_size
+        )
+        misaligned = dynamic.first_misaligned(plan, table.padded)
+        if misaligned is not None:
+            sample, multiple = misaligned
+            owner = table.owner[sample]
+            local_index = sample - table.first_id[owner]
+            return Step(record(Problem.MISALIGNED, owner, local_index, a=table.padded[sample], b=multiple), [])
+        # Row r of the gather is DP x CP rank r: this CP lane's DP ranks and the bins each of them runs.
+        lane = {r.dp_rank: row for row, r in enumerate(reports) if r.cp_rank == cp.rank()}
+        wanted = [{g for bin_ in plan.bins_of(lane[d]) for g in bin_} for d in range(dp.size())]
+        first = table.first_id[dp.rank()]
+        local = {first + i: sample.fields for i, sample in enumerate(batch.samples)}
+        received = dynamic.reroute_to_groups(local, table.owner, wanted, table.padded, dp, device)
+        me = dp_cp.rank()
+        microbatches = [
+            dynamic.pack_dynamic_bin(
+                [received[g] for g in members],
+                [table.original[g] for g in members],
+                [table.padded[g] for g in members],
+                size,
+                device,
+            )
+            for members, size in zip(plan.bins_of(me), plan.group_sizes(me), strict=True)
+        ]
+        return Step(
+            list(OK),
+            microbatches,
+            count=plan.num_microbatches,
+            seqlen_sum=sum(table.padded),
+            seqlen_squared_sum=sum(n * n for n in table.padded),
+        )
 
     def _every_stage_loads(self) -> bool:
-        info = self.capabilities.generation_info
-        return info is not None and info.pipeline_data_stages == "every"
+        return self.facts.pipeline_data_stages == "every"
 
     @staticmethod
     def _stage_iterator(data_iterator: Any, settings: Settings) -> Any:
@@ -206,15 +308,15 @@ class PortableAdapter(PackingAdapter):
         return data_iterator
 
     def _pack_step(
-        self, data_iterator: Any, num_microbatches: int, pg: Any, settings: Settings, device: torch.device
+        self, batch: LocalBatch, num_microbatches: int, pg: Any, settings: Settings, device: torch.device
     ) -> Step:
+        """Plan and route the agreed step (every loading rank's samples passed the contract)."""
         dp, cp = pg.dp, pg.cp
-        batch: LocalBatch = read_step(data_iterator, num_microbatches, dp.rank(), cp.size())
         reports = exchange.gather_lengths(batch, dp.rank(), cp.rank(), pg.dp_cp, num_microbatches, device)
         capacity = settings.max_seqlen_per_dp_cp_rank * cp.size()
         verdict = judge(reports, capacity=capacity, dp_size=dp.size(), cp_size=cp.size())
         if verdict != OK:
-            return Step(verdict, [], cause=batch.cause)
+            return Step(verdict, [])
         table = step_table(reports, cp.rank())
         try:
             plan = PLANNERS[settings.scheduler](
@@ -299,12 +401,24 @@ class PortableAdapter(PackingAdapter):
         mtp = self.mtp_on_this_rank(model_config, vp_stage)
         keys = (INPUT_KEYS if first or mtp else ()) + (TARGET_KEYS if last or mtp else ())
         device = exchange.group_device(tp)
+        groups: dict[int, Any] = {}
+
+        def split(local_cp_size: int) -> tuple[int, int]:
+            """This rank's (CP size, CP rank) for a microbatch: the static group, or the bin's DP x CP sub-group."""
+            if local_cp_size == 0:
+                return cp.size(), cp.rank()
+            group = groups.setdefault(
+                local_cp_size, dynamic_cp_support.dynamic_cp_group(self.capabilities, local_cp_size)
+            )
+            return local_cp_size, 0 if group is None else group.rank()
+
+        dynamic_step = self.dynamic_cp_enabled(model_config)
         if tp.rank() == 0:
-            verdict, view = self._next_local_view(data_iterator, keys, cp.size(), cp.rank())
+            verdict, view = self._next_local_view(data_iterator, keys, split, dynamic_step)
             if tp.size() > 1:
                 exchange.broadcast_buffer(_encode_view(verdict, view, keys), tp, device)
         else:
-            verdict, view = _decode_view(exchange.broadcast_buffer(None, tp, device), keys, cp.size(), cp.rank())
+            verdict, view = _decode_view(exchange.broadcast_buffer(None, tp, device), keys, split)
         raise_if_bad(verdict)
         cu_seqlens_padded = view["cu_seqlens_padded"]
         params = {
@@ -316,12 +430,16 @@ class PortableAdapter(PackingAdapter):
             "max_seqlen_q": int(view["max_seqlen"]),
             "max_seqlen_kv": int(view["max_seqlen"]),
         }
+        local_cp_size = int(view["local_cp_size"])
+        if local_cp_size:
+            params["local_cp_size"] = local_cp_size
+            params["cp_group"] = groups[local_cp_size]
         packed_seq_params = self._packed_seq_params(**{k: v for k, v in params.items() if k in self._psp_fields})
 
         def row(key: str) -> torch.Tensor | None:
             return view[key].reshape(1, -1) if key in keys else None
 
-        return (
+        return PackedBatch(
             row("tokens"),
             row("labels"),
             row("loss_mask"),
@@ -331,9 +449,23 @@ class PortableAdapter(PackingAdapter):
             view["padding_mask"].reshape(1, -1),
         )
 
+    def finalize(
+        self, packed_seq_params: Any, pg_collection: Any, *, route_prebuilder: RoutePrebuilder | None = None
+    ) -> Any:
+        """A dynamic-CP microbatch keeps its own group (None: no CP); a static one follows the base rule."""
+        if getattr(packed_seq_params, "local_cp_size", None) is None:
+            return super().finalize(packed_seq_params, pg_collection, route_prebuilder=route_prebuilder)
+        prebuild_route = self._prebuild_route if route_prebuilder is None else route_prebuilder()
+        if prebuild_route is not None and packed_seq_params.cp_group is not None:
+            prebuild_route(packed_seq_params, packed_seq_params.cp_group)
+        return packed_seq_params
+
     @staticmethod
     def _next_local_view(
-        data_iterator: Iterator[Any] | None, keys: tuple[str, ...], cp_size: int, cp_rank: int
+        data_iterator: Iterator[Any] | None,
+        keys: tuple[str, ...],
+        split: Callable[[int], tuple[int, int]],
+        dynamic_step: bool,
     ) -> tuple[list[int], dict[str, torch.Tensor]]:
         """TP rank 0: the next packed microbatch, sliced for this CP rank (or the problem, encoded)."""
         try:
@@ -344,22 +476,25 @@ class PortableAdapter(PackingAdapter):
             return record(Problem.PACKED_EXHAUSTED), {}
         if not isinstance(packed, dict):
             return record(Problem.PACKED_NOT_A_DICT), {}
-        missing = [k for k in (*METADATA_KEYS, *keys) if k not in packed]
+        required = (*METADATA_KEYS, *keys, *(("local_cp_size",) if dynamic_step else ()))
+        missing = [k for k in required if k not in packed]
         if missing:
             return record(Problem.PACKED_MISSING_KEY, a=SAMPLE_KEYS.index(missing[0])), {}
-        view = local_view(packed, keys, cp_size, cp_rank)
+        local_cp_size = int(packed["local_cp_size"]) if dynamic_step else 0
+        view = local_view(packed, keys, *split(local_cp_size))
         view.update({k: packed[k] for k in METADATA_KEYS})
+        view["local_cp_size"] = torch.tensor(local_cp_size)
         return list(OK), view
 
 
 def _encode_view(verdict: list[int], view: dict[str, torch.Tensor], keys: tuple[str, ...]) -> torch.Tensor:
     """One int64 buffer: header, ``cu_seqlens``, ``cu_seqlens_padded`` and this stage's per-token fields."""
     if verdict != OK:
-        return torch.tensor(verdict + [0, 0, 0], dtype=torch.int64)
+        return torch.tensor(verdict + [0, 0, 0, 0], dtype=torch.int64)
     cu_seqlens, cu_seqlens_padded = view["cu_seqlens"], view["cu_seqlens_padded"]
     local_tokens = view["padding_mask"].numel()
     header = torch.tensor(
-        [*verdict, cu_seqlens.numel(), local_tokens, int(view["max_seqlen"])],
+        [*verdict, cu_seqlens.numel(), local_tokens, int(view["max_seqlen"]), int(view["local_cp_size"])],
         dtype=torch.int64,
         device=cu_seqlens.device,
     )
@@ -368,10 +503,10 @@ def _encode_view(verdict: list[int], view: dict[str, torch.Tensor], keys: tuple[
 
 
 def _decode_view(
-    words: torch.Tensor, keys: tuple[str, ...], cp_size: int, cp_rank: int
+    words: torch.Tensor, keys: tuple[str, ...], split: Callable[[int], tuple[int, int]]
 ) -> tuple[list[int], dict[str, torch.Tensor]]:
     header = words[:_MICROBATCH_HEADER].cpu().tolist()
-    verdict, (bounds, local_tokens, max_seqlen) = header[:VERDICT_WIDTH], header[VERDICT_WIDTH:]
+    verdict, (bounds, local_tokens, max_seqlen, local_cp_size) = header[:VERDICT_WIDTH], header[VERDICT_WIDTH:]
     if verdict != OK:
         return verdict, {}
     cursor = _MICROBATCH_HEADER
@@ -382,9 +517,19 @@ def _decode_view(
         "cu_seqlens": cu_seqlens,
         "cu_seqlens_padded": cu_seqlens_padded,
         "max_seqlen": torch.tensor(max_seqlen, dtype=torch.int32, device=words.device),
-        "padding_mask": local_padding_mask(cu_seqlens, cu_seqlens_padded, cp_size, cp_rank),
+        "padding_mask": local_padding_mask(cu_seqlens, cu_seqlens_padded, *split(local_cp_size)),
+        "local_cp_size": torch.tensor(local_cp_size),
     }
     for key in keys:
         view[key] = exchange.from_words(words[cursor : cursor + local_tokens], key)
         cursor += local_tokens
     return verdict, view
+
+
+__all__ = [
+    "PortableAdapter",
+    "SCHEDULER",
+    "Settings",
+    "Step",
+    "read_settings",
+]

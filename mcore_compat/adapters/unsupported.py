@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mcore_compat.adapters.base import PackedBatch, PackingAdapter, WrapResult
+from mcore_compat.adapters.base import PackedBatch, PackingAdapter, WrapResult, pin_hint, pins_running
 from mcore_compat.capabilities import Capabilities
 
 
@@ -14,16 +14,22 @@ class UnsupportedAdapter(PackingAdapter):
     Every call explains what is missing instead of failing inside Megatron-Core.
     """
 
-    generations = ()
-    covers = "any Megatron-Core no other adapter matches"
-
     @classmethod
-    def matches(cls, capabilities: Capabilities) -> bool:
+    def speaks(cls, capabilities: Capabilities) -> bool:
         return True
 
     def probe(self, scheduler: str, *, dynamic_cp: bool = False) -> str | None:
+        caps = self.capabilities
+        if not caps.mcore_importable:
+            reason = caps.import_error or "megatron-core does not import"
+            return self.refusal(
+                f"global-batch packing needs an importable Megatron-Core: {reason}",
+                "Install a supported megatron-core (`mcore-compat pin list`) or fix the import error it names.",
+            )
         return self.missing_native_api(scheduler, dynamic_cp) or self.refusal(
-            "no adapter of mcore-compat supports this Megatron-Core"
+            f"this Megatron-Core matches no generation mcore-compat knows (features: {', '.join(caps.features)}) "
+            "and no adapter speaks its entry points",
+            pin_hint(pins_running(scheduler, dynamic_cp)),
         )
 
     def wrap(self, data_iterator: Any, model_config: Any, num_microbatches: int, pg_collection: Any) -> WrapResult:
@@ -35,3 +41,8 @@ class UnsupportedAdapter(PackingAdapter):
     ) -> PackedBatch:
         self.require_runnable(model_config)
         raise AssertionError("UnsupportedAdapter.probe never returns None")
+
+
+__all__ = [
+    "UnsupportedAdapter",
+]

@@ -8,9 +8,13 @@ waiting in, and every rank then raises :class:`PortablePackingError` with the sa
 from __future__ import annotations
 
 import enum
+import math
+import struct
 from collections.abc import Sequence
 
 import torch
+
+from mcore_compat.errors import BadSampleError
 
 SAMPLE_KEYS: tuple[str, ...] = (
     "tokens",
@@ -22,6 +26,7 @@ SAMPLE_KEYS: tuple[str, ...] = (
     "cu_seqlens",
     "cu_seqlens_padded",
     "max_seqlen",
+    "local_cp_size",
 )
 """Keys a problem record can name, by index."""
 
@@ -66,6 +71,23 @@ class Problem(enum.IntEnum):
     PACKED_MISSING_KEY = 17
     PACKED_NOT_A_DICT = 18
     BAD_LAYOUT = 19
+    BAD_LENGTH = 20
+    NOT_A_TENSOR = 21
+    BAD_POSITION_IDS = 22
+    MICROBATCH_MISMATCH = 23
+    BAD_CU_SEQLENS = 24
+
+
+class LengthKind(enum.IntEnum):
+    """What is wrong with a length field (word ``b`` of a ``BAD_LENGTH`` record; ``c`` carries the value)."""
+
+    BOOL = 1
+    PY_FLOAT = 2
+    PY_INT = 3
+    NOT_A_TENSOR = 4
+    SHAPE = 5
+    FLOAT_TENSOR = 16
+    """Plus the index of the tensor's dtype in :data:`DTYPES`; ``c`` holds the float64 bits of the value."""
 
 
 def dtype_index(dtype: torch.dtype) -> int:
@@ -79,6 +101,34 @@ def _dtype_name(index: int) -> str:
 
 def _key(index: int) -> str:
     return SAMPLE_KEYS[index] if 0 <= index < len(SAMPLE_KEYS) else f"key #{index}"
+
+
+def _float(bits: int) -> str:
+    value = struct.unpack("<d", struct.pack("<q", bits))[0]
+    return "NaN" if math.isnan(value) else repr(value)
+
+
+def _bad_length(key: str, kind: int, value: int) -> str:
+    fix = "set it to an integer tensor of shape [1], e.g. torch.tensor([n], dtype=torch.int32)"
+    if kind >= LengthKind.FLOAT_TENSOR:
+        return f"{key!r} is a {_dtype_name(kind - LengthKind.FLOAT_TENSOR)} tensor holding {_float(value)}; {fix}"
+    meanings: dict[int, str] = {
+        LengthKind.BOOL: f"is a bool ({bool(value)})",
+        LengthKind.PY_FLOAT: f"is a Python float ({_float(value)})",
+        LengthKind.PY_INT: f"is a Python int ({value}), not a tensor",
+        LengthKind.NOT_A_TENSOR: "is not a tensor",
+        LengthKind.SHAPE: f"is a tensor with {value} dimension(s) or more than one element",
+    }
+    what = meanings.get(kind, "is not an integer length")
+    return f"{key!r} {what}; {fix}"
+
+
+_BOUNDS_PROBLEMS = {
+    0: "is not a 1-D integer tensor with at least two entries",
+    1: "does not start at 0 (it starts at {c})",
+    2: "decreases at entry {c}",
+    3: "has a different number of entries than cu_seqlens (difference {c})",
+}
 
 
 def describe(record: Sequence[int]) -> str:
@@ -122,6 +172,26 @@ def describe(record: Sequence[int]) -> str:
             f"{where} has no {_key(a)!r}; unpacked samples need tokens, labels, loss_mask, position_ids and "
             "padded_seq_len (original_seq_len defaults to it), pre-packed ones cu_seqlens instead of the lengths"
         )
+    if problem is Problem.NOT_A_TENSOR:
+        return f"{where}: {_key(a)!r} is not a torch.Tensor; pass every per-token field as a 1-D tensor"
+    if problem is Problem.BAD_LENGTH:
+        return f"{where}: {_bad_length(_key(a), b, c)}"
+    if problem is Problem.BAD_POSITION_IDS:
+        return (
+            f"{where}: position_ids[{a}]={b} but a sequence's real tokens must have position_ids 0..{c - 1}; "
+            "set position_ids to torch.arange(L) (per sequence in pre-packed samples)"
+        )
+    if problem is Problem.MICROBATCH_MISMATCH:
+        return (
+            f"num_microbatches differs between ranks: global rank {a} (DP rank {rank}) passed {b}, global rank 0 "
+            f"passed {c}; pass the same num_microbatches (get_num_microbatches()) on every rank"
+        )
+    if problem is Problem.BAD_CU_SEQLENS:
+        detail = _BOUNDS_PROBLEMS.get(b, "is invalid").format(c=c)
+        return (
+            f"{where}: {_key(a)!r} {detail}; pre-packed samples need cu_seqlens (and optionally cu_seqlens_padded) "
+            "as 1-D integer tensors from 0 to the token count, never decreasing"
+        )
     if problem is Problem.BAD_DTYPE:
         return (
             f"{where}: {_key(a)!r} has dtype {_dtype_name(b)}; the data contract requires "
@@ -139,20 +209,21 @@ def describe(record: Sequence[int]) -> str:
         )
     if problem is Problem.BAD_ORIGINAL:
         return (
-            f"{where}: original_seq_len={a} is outside [0, padded_seq_len={b}]; "
-            "original_seq_len is the real length before padding"
+            f"{where}: original_seq_len={a} is outside [1, padded_seq_len={b}]; set original_seq_len to the "
+            "real token count before padding (at least 1, at most padded_seq_len)"
         )
     if problem is Problem.EMPTY_SAMPLE:
         return f"{where}: padded_seq_len={a}; every sample needs at least one token (drop empty samples)"
     if problem is Problem.MISALIGNED:
         return (
-            f"{where}: padded_seq_len={a} is not a multiple of {b} (2 x context-parallel size), which the THD "
-            f"zigzag split needs; pad samples to a multiple of {b}"
+            f"{where}: padded_seq_len={a} is not a multiple of {b} (the alignment multiple of this layout, "
+            f"packing.global_batch.alignment_multiple), which the THD zigzag split needs; pad samples to a "
+            f"multiple of {b}"
         )
     if problem is Problem.OVERSIZE:
         return (
-            f"{where} (global sample {a}): padded_seq_len={b} exceeds the bin capacity {c} "
-            "(max_seqlen_per_dp_cp_rank x context-parallel size); truncate the sample or raise "
+            f"{where}: padded_seq_len={b} exceeds the bin capacity {c} (max_seqlen_per_dp_cp_rank x the "
+            "context-parallel size, x the data-parallel size with dynamic CP); truncate the sample or raise "
             "max_seqlen_per_dp_cp_rank"
         )
     if problem is Problem.TOO_FEW_SAMPLES:
@@ -163,13 +234,13 @@ def describe(record: Sequence[int]) -> str:
         )
     if problem is Problem.CP_MISMATCH:
         return (
-            f"context-parallel siblings disagree: DP x CP rank {a} and DP x CP rank {b} (same DP rank {rank}) "
-            "received different samples; feed CP siblings identical data (select samples by DP rank only)"
+            f"context-parallel siblings disagree: ranks {a} and {b} (same DP rank {rank}) received different "
+            "samples; feed CP siblings identical data (select samples by DP rank only)"
         )
     if problem is Problem.PACKED_EXHAUSTED:
         return (
-            "the packed iterator is exhausted: get_batch was called more often than the microbatch count "
-            "wrap returned; use that count (packed_num_microbatches) for the step"
+            f"the packed iterator is exhausted: get_batch was called more often than the microbatch count "
+            f"wrap returned{f' ({a})' if a else ''}; use that count (packed_num_microbatches) for the step"
         )
     if problem is Problem.PACKED_MISSING_KEY:
         return (
@@ -197,8 +268,12 @@ def record(problem: Problem, rank: int = -1, sample: int = -1, a: int = 0, b: in
 OK: list[int] = record(Problem.NONE)
 
 
-class PortablePackingError(ValueError):
-    """Bad packing input, raised with the same message on every rank of the step."""
+class PortablePackingError(BadSampleError):
+    """Bad packing input, raised with the same message on every rank of the step, on either backend.
+
+    Catch :class:`mcore_compat.errors.BadSampleError`; the name dates from when only the portable
+    backend agreed on a verdict.
+    """
 
     def __init__(self, verdict: Sequence[int]) -> None:
         self.verdict = [int(v) for v in verdict]
@@ -207,10 +282,25 @@ class PortablePackingError(ValueError):
 
 
 def raise_if_bad(verdict: Sequence[int], cause: BaseException | None = None) -> None:
-    """Raise for a bad verdict: ``StopIteration`` when every rank's data ran out together, else the packing error."""
+    """Raise for a bad verdict: ``StopIteration`` when every rank's data ran out together or a fetch came after
+    the last packed microbatch, else the packing error."""
     if int(verdict[0]) == Problem.NONE:
         return
     error = PortablePackingError(verdict)
-    if error.problem is Problem.EXHAUSTED and int(verdict[5]):
+    if (error.problem is Problem.EXHAUSTED and int(verdict[5])) or error.problem is Problem.PACKED_EXHAUSTED:
         raise StopIteration(str(error)) from cause
     raise error from cause
+
+
+__all__ = [
+    "DTYPES",
+    "OK",
+    "PortablePackingError",
+    "Problem",
+    "SAMPLE_KEYS",
+    "VERDICT_WIDTH",
+    "describe",
+    "dtype_index",
+    "raise_if_bad",
+    "record",
+]

@@ -50,7 +50,7 @@ def _all_gather_words(words: list[int], group: dist.ProcessGroup, device: torch.
     if group.size() == 1:
         return local.reshape(1, -1).cpu()
     out = torch.empty(group.size() * local.numel(), dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(out, local, group=group)
+    dist.all_gather_single(out, local, group=group)  # torch 2.13 deprecates all_gather_into_tensor for it
     return out.reshape(group.size(), -1).cpu()
 
 
@@ -164,7 +164,7 @@ def broadcast_buffer(buffer: torch.Tensor | None, group: dist.ProcessGroup, devi
     if group.size() == 1:
         assert buffer is not None
         return buffer
-    (size,) = broadcast_fixed([buffer.numel()] if group.rank() == 0 else None, 1, group, device)
+    (size,) = broadcast_fixed([buffer.numel()] if buffer is not None and group.rank() == 0 else None, 1, group, device)
     if group.rank() == 0:
         assert buffer is not None
         buffer = buffer.to(device=device, dtype=torch.int64)
@@ -172,3 +172,18 @@ def broadcast_buffer(buffer: torch.Tensor | None, group: dist.ProcessGroup, devi
         buffer = torch.empty(size, dtype=torch.int64, device=device)
     dist.broadcast(buffer, group_source(group), group=group)
     return buffer
+
+
+__all__ = [
+    "WORDS_PER_TOKEN",
+    "as_words",
+    "broadcast_buffer",
+    "broadcast_fixed",
+    "decode_fields",
+    "encode_fields",
+    "from_words",
+    "gather_lengths",
+    "group_device",
+    "group_source",
+    "reroute",
+]

@@ -83,8 +83,23 @@ def local_view(
     return view
 
 
-def local_padding_mask(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int):
+def local_padding_mask(
+    cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int
+) -> torch.Tensor:
     """The ``padding_mask`` a CP rank gets, from the bin metadata alone."""
     return local_view({"cu_seqlens": cu_seqlens, "cu_seqlens_padded": cu_seqlens_padded}, (), cp_size, cp_rank)[
         "padding_mask"
     ]
+
+
+__all__ = [
+    "INPUT_KEYS",
+    "METADATA_KEYS",
+    "TARGET_KEYS",
+    "bin_metadata",
+    "local_padding_mask",
+    "local_view",
+    "pack_bin",
+    "padding_mask",
+    "partition_index",
+]

@@ -71,8 +71,7 @@ def first_fit_in_order(lengths: Sequence[int], capacity: int, max_seqs: int | No
         if length > capacity:
             raise ValueError(f"sample {sample} has length {length} > bin capacity {capacity}")
         open_bin = bins[-1] if bins else None
-        fits = open_bin is not None and load + length <= capacity
-        if fits and (max_seqs is None or len(open_bin) < max_seqs):
+        if open_bin is not None and load + length <= capacity and (max_seqs is None or len(open_bin) < max_seqs):
             open_bin.append(sample)
             load += length
         else:
@@ -336,3 +335,20 @@ def routes(owner: Sequence[int], destination: Sequence[int], me: int, size: int)
         if target == me:
             incoming[source].append(sample)
     return Routes(tuple(map(tuple, outgoing)), tuple(map(tuple, incoming)))
+
+
+__all__ = [
+    "BinPlan",
+    "ReportedLengths",
+    "StepTable",
+    "first_fit_in_order",
+    "judge",
+    "PLANNERS",
+    "Planner",
+    "Routes",
+    "plan_balanced",
+    "plan_dp_balanced",
+    "routes",
+    "split_to_multiple",
+    "step_table",
+]

@@ -31,7 +31,15 @@ from mcore_compat.testing.records import (
     RankStep,
     standard_cases,
 )
-from mcore_compat.testing.runner import CaseRun, locate_mcore, model_config, run_case_on_rank, run_cases
+from mcore_compat.testing.runner import (
+    CaseRun,
+    locate_mcore,
+    model_config,
+    model_parallel,
+    mpu_pg_collection,
+    run_case_on_rank,
+    run_cases,
+)
 from mcore_compat.testing.samples import Sample, SampleSource, SampleSpec, alignment_multiple, decode, encode
 
 __all__ = [
@@ -57,6 +65,8 @@ __all__ = [
     "launch",
     "locate_mcore",
     "model_config",
+    "model_parallel",
+    "mpu_pg_collection",
     "run_case_on_rank",
     "run_cases",
     "standard_cases",

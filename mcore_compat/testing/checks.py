@@ -23,6 +23,8 @@ TENSOR_DTYPES = {
     "position_ids": torch.int64,
     "padding_mask": torch.bool,
 }
+OPTIONAL = ("padding_mask",)
+"""Fields a pin whose fetch returns six values leaves None (the facade pads the tuple with None)."""
 CU_SEQLENS = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
 EXAMPLES = 5
 
@@ -85,9 +87,18 @@ def _check_cu_seqlens(mb: MicrobatchRecord) -> list[str]:
 
 
 def check_microbatch(
-    case: Case, record: RankStep, mb: MicrobatchRecord, static_cp_group: tuple[int, ...], *, routes: bool = False
+    case: Case,
+    record: RankStep,
+    mb: MicrobatchRecord,
+    static_cp_group: tuple[int, ...],
+    *,
+    routes: bool = False,
+    padding_mask: bool = True,
 ) -> list[str]:
-    """Checks one rank can make alone: metadata, shapes, dtypes, CP group, route (``routes``: the pin has them)."""
+    """Checks one rank can make alone: metadata, shapes, dtypes, CP group, route (``routes``: the pin has them).
+
+    ``padding_mask``: the pin's fetch returns one (False on pins whose fetch returns six values).
+    """
     errors = []
     if not mb.attention_mask_is_none:
         errors.append("attention_mask is not None (THD batches carry none)")
@@ -116,6 +127,8 @@ def check_microbatch(
         errors.append(f"packed length {total} is not divisible by the CP size {cp_size}")
     for name, dtype in TENSOR_DTYPES.items():
         tensor = getattr(mb, name)
+        if tensor is None and name in OPTIONAL and not padding_mask:
+            continue
         if tensor is None:
             errors.append(f"{name} is None")
         elif tuple(tensor.shape) != (1, total // cp_size) or tensor.dtype != dtype:
@@ -169,6 +182,8 @@ def _compare_row(mb: MicrobatchRecord, expected: dict[str, list[float]]) -> list
     errors = []
     for name, want in expected.items():
         tensor = getattr(mb, name)
+        if tensor is None and name in OPTIONAL:
+            continue
         got = [] if tensor is None else tensor.reshape(-1).tolist()
         if len(got) != len(want):
             errors.append(f"{name} has {len(got)} slots, the zigzag model {len(want)}")
@@ -321,7 +336,9 @@ def _static_cp_groups(step_ranks: Sequence[RankStep]) -> dict[int, tuple[int, ..
     return {r.rank: tuple(sorted(members[(r.tp_rank, r.dp_rank)])) for r in step_ranks}
 
 
-def check_step(case: Case, step: int, step_ranks: Sequence[RankStep], *, routes: bool = False) -> list[str]:
+def check_step(
+    case: Case, step: int, step_ranks: Sequence[RankStep], *, routes: bool = False, padding_mask: bool = True
+) -> list[str]:
     """Every end-to-end check of one step over all ranks' records; an empty list means it passed.
 
     ``routes``: the pin prebuilds THD CP partition routes, so every microbatch whose CP group is larger
@@ -336,7 +353,9 @@ def check_step(case: Case, step: int, step_ranks: Sequence[RankStep], *, routes:
     errors = _check_counts(case, step_ranks, samples, where)
     for record in step_ranks:
         for k, mb in enumerate(record.microbatches):
-            problems = check_microbatch(case, record, mb, static_groups[record.rank], routes=routes)
+            problems = check_microbatch(
+                case, record, mb, static_groups[record.rank], routes=routes, padding_mask=padding_mask
+            )
             errors += [f"{where} rank {record.rank} microbatch {k}: {p}" for p in problems]
     errors += _check_tp_replicas(step_ranks, where)
     errors += _check_split(step_ranks, samples, where)
@@ -344,9 +363,23 @@ def check_step(case: Case, step: int, step_ranks: Sequence[RankStep], *, routes:
     return errors
 
 
-def check_steps(case: Case, steps: Sequence[Sequence[RankStep]], *, routes: bool = False) -> list[str]:
+def check_steps(
+    case: Case, steps: Sequence[Sequence[RankStep]], *, routes: bool = False, padding_mask: bool = True
+) -> list[str]:
     """:func:`check_step` over every step of a case, plus the step count itself."""
     errors = [] if len(steps) == case.steps else [f"{case.name}: {len(steps)} steps recorded, {case.steps} run"]
     for step, step_ranks in enumerate(steps):
-        errors += check_step(case, step, step_ranks, routes=routes)
+        errors += check_step(case, step, step_ranks, routes=routes, padding_mask=padding_mask)
     return errors
+
+
+__all__ = [
+    "CU_SEQLENS",
+    "EXAMPLES",
+    "TENSOR_DTYPES",
+    "check_microbatch",
+    "check_step",
+    "check_steps",
+    "expected_row",
+    "zigzag_offsets",
+]

@@ -139,8 +139,9 @@ def _failure_report(workdir: Path, failed: list[int], exitcodes: list[int | None
 def _timeout_report(workdir: Path, processes: Sequence[multiprocessing.process.BaseProcess], timeout: float) -> str:
     running = [rank for rank, p in enumerate(processes) if p.exitcode is None]
     for rank in running:
-        if processes[rank].pid is not None:
-            os.kill(processes[rank].pid, signal.SIGUSR1)
+        pid = processes[rank].pid
+        if pid is not None:
+            os.kill(pid, signal.SIGUSR1)
     time.sleep(1.0)
     lines = [f"ranks {running} still running after {timeout:.0f} s; the whole group was ended. Stacks:"]
     for rank in running:
@@ -209,3 +210,12 @@ def launch(
     finally:
         _kill(processes)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+__all__ = [
+    "DEFAULT_BYTECODE_CACHE",
+    "LaunchError",
+    "POLL_S",
+    "WORKER_ENV",
+    "launch",
+]

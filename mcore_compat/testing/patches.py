@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import ModuleType, SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -46,9 +46,16 @@ class _Patcher:
         self._undo.append(lambda: delattr(target, name) if old is _MISSING else setattr(target, name, old))
 
     def add_module(self, name: str, module: ModuleType) -> None:
-        old = sys.modules.get(name, _MISSING)
+        had, old = name in sys.modules, sys.modules.get(name)  # a None entry blocks the import; keep it
         sys.modules[name] = module
-        self._undo.append(lambda: sys.modules.pop(name, None) if old is _MISSING else sys.modules.update({name: old}))
+
+        def undo() -> None:
+            if had:
+                sys.modules[name] = cast(ModuleType, old)
+            else:
+                sys.modules.pop(name, None)
+
+        self._undo.append(undo)
 
     def restore(self) -> None:
         while self._undo:
@@ -186,3 +193,10 @@ def cpu_patches(
         yield tuple(patcher.applied)
     finally:
         patcher.restore()
+
+
+__all__ = [
+    "PartitionFn",
+    "cpu_patches",
+    "transformer_engine_available",
+]

@@ -145,3 +145,16 @@ def standard_cases(*, steps: int = 3) -> list[Case]:
     cases += [Case(layout, "default_dynamic_cp", dynamic_cp=True, steps=steps) for layout in DYNAMIC_CP_LAYOUTS]
     cases.append(Case(Layout(1, 2, 2), "default_dynamic_cp", dynamic_cp=True, min_dynamic_cp_size=2, steps=steps))
     return cases
+
+
+__all__ = [
+    "Case",
+    "CaseResult",
+    "DYNAMIC_CP_LAYOUTS",
+    "Fault",
+    "Layout",
+    "MicrobatchRecord",
+    "RankStep",
+    "WORLD_4_LAYOUTS",
+    "standard_cases",
+]

@@ -11,8 +11,10 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -86,22 +88,28 @@ def contiguous_split(cu_seqlens_padded: torch.Tensor, total_tokens: int, cp_size
 
 
 def _init_parallel_state(case: Case) -> None:
-    from mcore_compat import detect
+    import packing
 
     parallel_state = importlib.import_module("megatron.core.parallel_state")
     keywords: dict[str, Any] = {}
     if case.dynamic_cp:
-        accepted = detect().init_cp_keywords
-        if "dynamic_context_parallel" in accepted:
-            keywords["dynamic_context_parallel"] = True
-        if "min_dynamic_context_parallel_size" in accepted:
-            keywords["min_dynamic_context_parallel_size"] = case.min_dynamic_cp_size
+        keywords = packing.dynamic_cp_initialize_keywords(case.min_dynamic_cp_size)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=case.layout.tp,
         pipeline_model_parallel_size=1,
         context_parallel_size=case.layout.cp,
         **keywords,
     )
+
+
+@contextmanager
+def model_parallel(case: Case) -> Iterator[None]:
+    """Megatron-Core's parallel state for ``case``'s layout (and dynamic CP), destroyed on leaving the block."""
+    _init_parallel_state(case)
+    try:
+        yield
+    finally:
+        importlib.import_module("megatron.core.parallel_state").destroy_model_parallel()
 
 
 def mpu_pg_collection() -> Any:
@@ -141,7 +149,13 @@ def _int(value: Any) -> int | None:
 def _record(batch: tuple[Any, ...], psp: Any, pg_collection: Any) -> MicrobatchRecord:
     tokens, labels, loss_mask, attention_mask, position_ids, _, padding_mask = batch
     attached = getattr(psp, "cp_group", None)
-    group = pg_collection.cp if attached is None else attached
+    local_cp_size = getattr(psp, "local_cp_size", None)
+    group_ranks: tuple[int, ...]
+    if attached is None and local_cp_size == 1:
+        group_ranks, group_rank = (dist.get_rank(),), 0  # a dynamic-CP bin without CP runs on this rank alone
+    else:
+        group = pg_collection.cp if attached is None else attached
+        group_ranks, group_rank = tuple(dist.get_process_group_ranks(group)), group.rank()
     route_set = getattr(psp, "cp_partition_route", None) is not None if hasattr(psp, "cp_partition_route") else None
     return MicrobatchRecord(
         tokens=_clone(tokens),
@@ -157,9 +171,9 @@ def _record(batch: tuple[Any, ...], psp: Any, pg_collection: Any) -> MicrobatchR
         cu_seqlens_kv_padded=_clone(getattr(psp, "cu_seqlens_kv_padded", None)),
         max_seqlen_q=_int(getattr(psp, "max_seqlen_q", None)),
         max_seqlen_kv=_int(getattr(psp, "max_seqlen_kv", None)),
-        local_cp_size=_int(getattr(psp, "local_cp_size", None)),
-        cp_group_ranks=tuple(dist.get_process_group_ranks(group)),
-        cp_group_rank=group.rank(),
+        local_cp_size=_int(local_cp_size),
+        cp_group_ranks=group_ranks,
+        cp_group_rank=group_rank,
         route_set=route_set,
     )
 
@@ -209,16 +223,15 @@ def run_case_on_rank(rank: int, case: Case) -> CaseResult:
     with cpu_patches(context_parallel=case.layout.cp > 1, dynamic_cp=case.dynamic_cp, partition=partition) as applied:
         import packing
 
+        if case.dynamic_cp and hasattr(packing, "enable_dynamic_cp_model_support"):
+            packing.enable_dynamic_cp_model_support()  # as a trainer does before building its model
         reason = packing.probe_global_batch_packing_support(case.scheduler, dynamic_cp=case.dynamic_cp)
         if reason is not None:
             return CaseResult(case, rank, skipped=reason, patches=applied, **_pin())
-        _init_parallel_state(case)
-        try:
+        with model_parallel(case):
             pg_collection = mpu_pg_collection()
             config = model_config(case)
             steps = [_run_step(case, step, pg_collection, config) for step in range(case.steps)]
-        finally:
-            importlib.import_module("megatron.core.parallel_state").destroy_model_parallel()
     return CaseResult(case, rank, skipped=None, patches=applied, steps=steps, **_pin())
 
 
@@ -228,6 +241,38 @@ def _worker(rank: int, world_size: int, cases: Sequence[Case], setup: Callable[[
     return [run_case_on_rank(rank, case) for case in cases]
 
 
+def _probe_worker(
+    rank: int, world_size: int, cases: Sequence[Case], setup: Callable[[], None] | None
+) -> list[CaseResult | None]:
+    """The probe's refusal of each case (None: it runs), asked under the same patches as the ranks."""
+    if setup is not None:
+        setup()
+    answers: list[CaseResult | None] = []
+    for case in cases:
+        with cpu_patches(context_parallel=case.layout.cp > 1, dynamic_cp=case.dynamic_cp) as applied:
+            import packing
+
+            reason = packing.probe_global_batch_packing_support(case.scheduler, dynamic_cp=case.dynamic_cp)
+            answers.append(
+                None if reason is None else CaseResult(case, rank, skipped=reason, patches=applied, **_pin())
+            )
+    return answers
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def expected_start_seconds(one_rank_s: float, world_size: int, cpus: int | None = None) -> float:
+    """How long ``world_size`` ranks take to start when one takes ``one_rank_s`` alone: they share ``cpus``."""
+    cpus = cpus or _cpus()
+    return one_rank_s * -(-world_size // min(cpus, world_size))
+
+
 def run_cases(
     cases: Sequence[Case],
     *,
@@ -235,21 +280,60 @@ def run_cases(
     timeout: float = 240.0,
     env: Mapping[str, str] | None = None,
     setup: Callable[[], None] | None = None,
+    probe: bool = True,
+    start_seconds: float | None = None,
+    progress: Callable[[str], None] | None = _stderr,
 ) -> list[CaseRun]:
     """Run ``cases`` (one world size) in one gloo process group; returns what every rank recorded.
 
     ``sys_path`` and ``env`` reach every rank (see :func:`~mcore_compat.testing.launcher.launch`);
-    ``setup`` (a module-level function) runs on every rank before the first case.
+    ``setup`` (a module-level function) runs on every rank before the first case. With ``probe``, one
+    process first asks the probe about every case; cases it refuses are answered from it, and when it
+    refuses them all no rank is started. ``progress`` (default: stderr) gets one line before each
+    start, with the expected wait (from the probe process's start, or ``start_seconds``: how long one
+    process takes to import torch and Megatron-Core here).
     """
     sizes = {case.layout.world_size for case in cases}
     if len(sizes) != 1:
         raise ValueError(f"cases span world sizes {sorted(sizes)}: run one world size per launch")
-    per_rank: list[list[CaseResult]] = launch(
-        _worker, sizes.pop(), args=(list(cases), setup), timeout=timeout, sys_path=sys_path, env=env
-    )
+    world_size = sizes.pop()
+    say = progress or (lambda line: None)
+    refused: dict[int, CaseResult] = {}
+    if probe:
+        say(
+            f"mcore_compat.testing: asking the probe about {len(cases)} case(s) in one process (it imports torch "
+            "and Megatron-Core first)"
+        )
+        began = time.perf_counter()
+        answers = launch(_probe_worker, 1, args=(list(cases), setup), timeout=timeout, sys_path=sys_path, env=env)[0]
+        start_seconds = start_seconds or time.perf_counter() - began
+        refused = {index: answer for index, answer in enumerate(answers) if answer is not None}
+    runnable = [case for index, case in enumerate(cases) if index not in refused]
+    per_rank: list[list[CaseResult]] = []
+    if runnable:
+        wait = (
+            f"expect about {expected_start_seconds(start_seconds, world_size):.0f} s before the first step "
+            f"({world_size} ranks on {_cpus()} CPUs)"
+            if start_seconds
+            else "this takes a while on few CPUs"
+        )
+        note = f" ({len(refused)} refused by the probe)" if refused else ""
+        say(
+            f"mcore_compat.testing: starting {world_size} gloo ranks for {len(runnable)} case(s){note}; each "
+            f"imports torch and Megatron-Core: {wait}"
+        )
+        per_rank = launch(_worker, world_size, args=(runnable, setup), timeout=timeout, sys_path=sys_path, env=env)
+    ran = iter(range(len(runnable)))
     runs = []
     for index, case in enumerate(cases):
-        results = [rank_results[index] for rank_results in per_rank]
+        if index in refused:
+            answer = refused[index]
+            runs.append(
+                CaseRun(case, answer.skipped, answer.patches, [], answer.generation, answer.backend, answer.routes)
+            )
+            continue
+        column = next(ran)
+        results = [rank_results[column] for rank_results in per_rank]
         reasons = {r.skipped for r in results}
         if len(reasons) != 1:
             raise RuntimeError(f"{case.name}: ranks disagree on whether the pin can run it: {reasons}")
@@ -258,3 +342,16 @@ def run_cases(
         first = results[0]
         runs.append(CaseRun(case, skipped, first.patches, steps, first.generation, first.backend, first.routes))
     return runs
+
+
+__all__ = [
+    "CaseRun",
+    "MCORE_SRC_ENV",
+    "REQUIRED_PGS",
+    "contiguous_split",
+    "locate_mcore",
+    "model_config",
+    "mpu_pg_collection",
+    "run_case_on_rank",
+    "run_cases",
+]

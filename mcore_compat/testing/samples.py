@@ -7,13 +7,25 @@ came from. Samples depend on (seed, step, DP rank) only, so CP and TP siblings s
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from mcore_compat.contract import alignment_multiple
+
+__all__ = [
+    "PAD_TOKEN_ID",
+    "TOKEN_BASE",
+    "Sample",
+    "SampleSource",
+    "SampleSpec",
+    "alignment_multiple",
+    "decode",
+    "encode",
+]
 
 TOKEN_BASE = 1_000_000
 PAD_TOKEN_ID = 7
@@ -30,14 +42,6 @@ def decode(token: int) -> tuple[int, int] | None:
     if token < TOKEN_BASE:
         return None
     return token // TOKEN_BASE - 1, token % TOKEN_BASE
-
-
-def alignment_multiple(*, tp: int, cp: int, dp: int, dynamic_cp: bool, sequence_parallel: bool = False) -> int:
-    """Padded-length multiple of the data contract: lcm(2·cp, cp·tp with SP) static, 2·dp·cp (·tp with SP) dynamic."""
-    if dynamic_cp:
-        return 2 * dp * cp * (tp if sequence_parallel else 1)
-    multiple = 2 * cp if cp > 1 else 1
-    return math.lcm(multiple, cp * tp) if sequence_parallel else multiple
 
 
 @dataclass(frozen=True)
@@ -132,3 +136,15 @@ class SampleSource(Iterator[Any]):
         group = self._items[self.pulls]
         self.pulls += 1
         return group[0].as_dict() if self._per_next == 1 else [s.as_dict() for s in group]
+
+
+__all__ = [
+    "PAD_TOKEN_ID",
+    "Sample",
+    "SampleSource",
+    "SampleSpec",
+    "TOKEN_BASE",
+    "alignment_multiple",
+    "decode",
+    "encode",
+]

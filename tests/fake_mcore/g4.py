@@ -1,4 +1,4 @@
-"""Fake G4/G4b (dev 2d6e946bab, #2000 / 959a542a11, #4226): ``default_dynamic_cp`` and a 6-parameter fetch.
+"""Fake G4/G4b (dev #2000 / #4226): ``default_dynamic_cp`` and a 6-parameter fetch.
 
 The fetch takes ``dynamic_cp`` before ``pg_collection`` and still returns six values. G4b drops
 ``data_schedule_utils.broadcast_to_pp_group`` (every PP stage loads its own data), renames
@@ -32,7 +32,7 @@ DYNAMIC_CONFIG_FIELDS = (
 
 def build(generation: str, *, record: bool = True) -> FakeMCore:
     """The modules of the first G4 or G4b commit, on the paths the facade and detection read."""
-    every_stage = generation == "G4b"
+    every_stage = generation != "G4"
     fake = FakeMCore(
         generation,
         version="0.18.0" if every_stage else "0.16.0rc0",

@@ -37,8 +37,9 @@ class _Mutated(Iterator[Any]):
 def _oversize(capacity: int) -> Callable[[dict], dict]:
     def mutate(sample: dict) -> dict:
         long = {k: v for k, v in sample.items()}
-        for key in ("tokens", "labels", "position_ids"):
+        for key in ("tokens", "labels"):
             long[key] = torch.zeros(capacity, dtype=torch.int64)
+        long["position_ids"] = torch.arange(capacity, dtype=torch.int64)
         long["loss_mask"] = torch.ones(capacity)
         long["original_seq_len"] = long["padded_seq_len"] = torch.tensor([capacity], dtype=torch.int32)
         return long

@@ -25,11 +25,12 @@ def sample(length: int, padded: int | None = None, **overrides) -> dict:
 
 def prepacked(bounds: list[int]) -> dict:
     total = bounds[-1]
+    positions = torch.cat([torch.arange(end - start) for start, end in zip(bounds[:-1], bounds[1:], strict=True)])
     return {
         "tokens": torch.arange(total, dtype=torch.int64),
         "labels": torch.arange(total, dtype=torch.int64),
         "loss_mask": torch.ones(total),
-        "position_ids": torch.arange(total, dtype=torch.int64),
+        "position_ids": positions.to(torch.int64),
         "cu_seqlens": torch.tensor(bounds, dtype=torch.int32),
     }
 
@@ -78,6 +79,7 @@ KEY = SAMPLE_KEYS.index
         ),
         ([sample(5, 4)], 1, record(Problem.BAD_ORIGINAL, 0, 0, a=5, b=4)),
         ([sample(0)], 1, record(Problem.EMPTY_SAMPLE, 0, 0, a=0)),
+        ([sample(0, 4)], 1, record(Problem.BAD_ORIGINAL, 0, 0, a=0, b=4)),
         ([sample(4), sample(3, 6)], 2, record(Problem.MISALIGNED, 0, 1, a=6, b=4)),
         ([prepacked([0, 4, 6])], 2, record(Problem.MISALIGNED, 0, 0, a=2, b=4)),
         (["not a sample"], 1, record(Problem.BAD_ITEM, 0, a=0)),

@@ -1,0 +1,124 @@
+"""One agreement point per packing step: every rank raises the same error, or every rank proceeds.
+
+Before the scheduler's first collective, each data-loading rank pulls its ``num_microbatches``
+items and checks them against :mod:`mcore_compat.contract`; then *every* rank of the job joins one
+small ``all_gather`` of a fixed-width row (its verdict, ``num_microbatches``, coordinates and a
+digest of its sequence lengths). The group is the default (world) group: the ranks that could be
+left waiting on a failed rank span the DP x CP groups of the loading ranks, the TP groups that
+wait for their TP rank 0, and the PP stages that wait for each other at the trainer's next
+send/recv, which together are every rank. From the gathered rows every rank computes the same
+verdict (:func:`decide`) and raises :class:`~mcore_compat.portable.errors.PortablePackingError`
+(a :class:`~mcore_compat.errors.BadSampleError`), or ``StopIteration`` when the data ran out on
+every loading rank at once, before anything else can hang.
+
+The row is fixed-width, so ranks that disagree on ``num_microbatches`` meet in a collective of the
+same size and learn it from the rows instead of aborting inside the transport.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mcore_compat.contract import LocalBatch
+from mcore_compat.portable.errors import OK, VERDICT_WIDTH, Problem, raise_if_bad, record
+
+__all__ = ["ROW_WIDTH", "Row", "agree", "decide", "digest"]
+
+_FIELDS = ("num_microbatches", "loads", "dp_rank", "cp_rank", "pp_rank", "tp_rank", "count", "digest")
+ROW_WIDTH = VERDICT_WIDTH + len(_FIELDS)
+_DIGEST_MASK = (1 << 62) - 1
+
+
+@dataclass(frozen=True)
+class Row:
+    """What one rank contributes to the agreement."""
+
+    verdict: Sequence[int]
+    num_microbatches: int
+    loads: int
+    dp_rank: int
+    cp_rank: int
+    pp_rank: int
+    tp_rank: int
+    count: int
+    digest: int
+
+    def words(self) -> list[int]:
+        return [*self.verdict, *(int(getattr(self, name)) for name in _FIELDS)]
+
+    @classmethod
+    def from_words(cls, words: Sequence[int]) -> Row:
+        return cls(list(words[:VERDICT_WIDTH]), *(int(w) for w in words[VERDICT_WIDTH:ROW_WIDTH]))
+
+
+def digest(batch: LocalBatch | None) -> int:
+    """A deterministic digest of this rank's sequence lengths (CP siblings must report the same)."""
+    if batch is None:
+        return 0
+    return hash(tuple((s.original, s.padded) for s in batch.samples)) & _DIGEST_MASK
+
+
+def decide(rows: Sequence[Row]) -> list[int]:
+    """The one verdict every rank reaches from the gathered rows (in global rank order).
+
+    In order: ranks passing different ``num_microbatches``; the data running out on every loading
+    rank at once (``EXHAUSTED`` with ``c=1``, raised as ``StopIteration``); the first loading
+    rank's problem; CP siblings (same PP stage and DP rank) that were fed different lengths.
+    """
+    reference = rows[0].num_microbatches
+    for rank, row in enumerate(rows):
+        if row.num_microbatches != reference:
+            return record(Problem.MICROBATCH_MISMATCH, row.dp_rank, a=rank, b=row.num_microbatches, c=reference)
+    loading = [row for row in rows if row.loads]
+    problems = [list(row.verdict) for row in loading if row.verdict[0] != Problem.NONE]
+    if problems and len(problems) == len(loading) and all(p[0] == Problem.EXHAUSTED and p[3] == 0 for p in problems):
+        return record(Problem.EXHAUSTED, c=1)
+    if problems:
+        return problems[0]
+    seen: dict[tuple[int, int], tuple[int, Row]] = {}
+    for rank, row in enumerate(rows):
+        if not row.loads:
+            continue
+        first, lead = seen.setdefault((row.pp_rank, row.dp_rank), (rank, row))
+        if (lead.count, lead.digest) != (row.count, row.digest):
+            return record(Problem.CP_MISMATCH, row.dp_rank, a=first, b=rank)
+    return list(OK)
+
+
+def _device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def agree(batch: LocalBatch | None, num_microbatches: int, pg_collection: Any) -> None:
+    """Join the step's agreement (``batch`` on data-loading ranks, None elsewhere); raise on every rank if bad."""
+    pg = pg_collection
+    verdict = list(OK) if batch is None else batch.verdict
+    row = Row(
+        verdict,
+        num_microbatches,
+        int(batch is not None),
+        pg.dp.rank(),
+        pg.cp.rank(),
+        pg.pp.rank(),
+        pg.tp.rank(),
+        0 if batch is None else len(batch.samples),
+        digest(batch),
+    )
+    words = row.words()
+    if dist.get_world_size() > 1:
+        local = torch.tensor(words, dtype=torch.int64, device=_device())
+        out = torch.empty(dist.get_world_size() * ROW_WIDTH, dtype=torch.int64, device=local.device)
+        dist.all_gather_single(out, local)  # torch 2.13 deprecates all_gather_into_tensor for it
+        table = out.reshape(-1, ROW_WIDTH).cpu().tolist()
+    else:
+        table = [words]
+    outcome = decide([Row.from_words(w) for w in table])
+    own = batch is not None and list(batch.verdict) == outcome
+    raise_if_bad(outcome, batch.cause if own and batch is not None else None)

@@ -1,0 +1,407 @@
+"""The data contract of global-batch packing, written once for every pin and backend.
+
+A trainer hands the facade, per step and per data-loading rank, ``num_microbatches`` items; each
+item is one sample dict or a list of them. A sample comes in one of two forms:
+
+- **unpacked**: one sequence. ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` (``[L]``, or
+  ``[1, L]`` from a default collate), ``padded_seq_len`` (``L``) and optionally ``original_seq_len``
+  (the real length, default ``L``), each length an integer tensor of one element (``[1]``).
+- **pre-packed** (Megatron-LM ``SFTDataset`` style): the same per-token fields holding several
+  sequences back to back, and ``cu_seqlens`` (int, ``[n + 1]``) marking them. With
+  ``cu_seqlens_padded`` too, ``cu_seqlens_padded`` marks the sequences in the buffer and
+  ``cu_seqlens`` counts their real tokens (Megatron-Core's THD convention); without it each
+  sequence is all real. Zero-length sequences (``SFTDataset`` pads ``cu_seqlens`` with them) are skipped.
+
+Every sequence: at least one real token, ``original <= padded``, ``padded`` a multiple of
+:func:`alignment_multiple` and at most the bin capacity, ``position_ids`` ``0 .. original - 1`` over
+its real tokens. Extra keys are allowed and ignored.
+
+Nothing here raises for bad input: :func:`read_step` returns a problem record (see
+:mod:`mcore_compat.portable.errors`) that the caller ships inside the step's agreement collective,
+so every rank raises the same error. Only torch is imported.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mcore_compat.errors import PackingConfigError
+from mcore_compat.portable.errors import OK, SAMPLE_KEYS, LengthKind, Problem, dtype_index, record
+
+__all__ = [
+    "LENGTH_KEYS",
+    "PACKED_KEYS",
+    "REQUIRED_SAMPLE_KEYS",
+    "SAMPLE_DTYPES",
+    "SAMPLE_FORMS",
+    "TOKEN_FIELDS",
+    "TOKEN_KEYS",
+    "Limits",
+    "LocalBatch",
+    "Sample",
+    "alignment_multiple",
+    "check_items",
+    "convert_items",
+    "pull",
+    "read_step",
+    "sample_form",
+]
+
+TOKEN_FIELDS: tuple[tuple[str, torch.dtype], ...] = (
+    ("tokens", torch.int64),
+    ("labels", torch.int64),
+    ("loss_mask", torch.float32),
+    ("position_ids", torch.int64),
+)
+"""Per-token fields and their dtypes, in payload order."""
+TOKEN_KEYS: tuple[str, ...] = tuple(key for key, _ in TOKEN_FIELDS)
+LENGTH_KEYS: tuple[str, ...] = ("original_seq_len", "padded_seq_len")
+REQUIRED_SAMPLE_KEYS: tuple[str, ...] = TOKEN_KEYS + LENGTH_KEYS
+"""Keys of an unpacked sample as :func:`packing.global_batch.build_unpacked_sequence_sample` builds it."""
+PACKED_KEYS: tuple[str, ...] = ("cu_seqlens", "cu_seqlens_padded")
+SAMPLE_DTYPES: dict[str, torch.dtype] = {
+    **dict(TOKEN_FIELDS),
+    "original_seq_len": torch.int32,
+    "padded_seq_len": torch.int32,
+}
+"""The dtype of every key of a built unpacked sample (lengths may also be any other integer dtype)."""
+
+
+def _positive(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PackingConfigError(f"{name}={value!r}: pass a positive int")
+    return value
+
+
+def alignment_multiple(*, dynamic_cp: bool, dp: int, cp: int, tp: int, sequence_parallel: bool = False) -> int:
+    """The multiple every sequence's padded length must be, for this parallel layout.
+
+    Static CP (``dp_balanced``): the least common multiple of ``2*cp`` (1 when ``cp == 1``) and,
+    with sequence parallelism, ``cp*tp``. Dynamic CP: ``2*dp*cp``, times ``tp`` with sequence
+    parallelism, because a bin may run on any CP group size up to the whole DP x CP pool.
+    """
+    dp, cp, tp = _positive("dp", dp), _positive("cp", cp), _positive("tp", tp)
+    if dynamic_cp:
+        return 2 * dp * cp * (tp if sequence_parallel else 1)
+    multiple = 2 * cp if cp > 1 else 1
+    return math.lcm(multiple, cp * tp) if sequence_parallel else multiple
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one step's sequences must fit: the padded-length multiple and the bin capacity (None: unchecked)."""
+
+    align: int = 1
+    capacity: int | None = None
+
+
+@dataclass
+class Sample:
+    """One sequence: its per-token fields (1-D, ``padded`` long) and its two lengths."""
+
+    fields: dict[str, torch.Tensor]
+    original: int
+    padded: int
+
+
+@dataclass
+class LocalBatch:
+    """This rank's step: the raw items pulled, their sequences, and the first problem found (or ``OK``)."""
+
+    samples: list[Sample]
+    verdict: list[int]
+    cause: BaseException | None = None
+    items: list[Any] = field(default_factory=list)
+
+
+def pull(data_iterator: Any, num_microbatches: int, rank: int) -> tuple[list[Any], list[int], BaseException | None]:
+    """``next()`` the raw iterator ``num_microbatches`` times; a failure becomes a problem record."""
+    if data_iterator is None:
+        return [], record(Problem.NO_ITERATOR, rank), None
+    items: list[Any] = []
+    for index in range(num_microbatches):
+        try:
+            items.append(next(data_iterator))
+        except StopIteration as exc:
+            return items, record(Problem.EXHAUSTED, rank, a=index, b=num_microbatches), exc
+        except Exception as exc:  # noqa: BLE001 - reported on every rank, re-raised here as the cause
+            return items, record(Problem.ITERATOR_FAILED, rank, a=index), exc
+    return items, OK, None
+
+
+def sample_form(sample: Mapping[str, Any]) -> str | None:
+    """``"unpacked"``, ``"packed"``, or None when the sample carries both or neither marker key."""
+    unpacked, packed = "padded_seq_len" in sample, "cu_seqlens" in sample
+    if unpacked == packed:
+        return None
+    return "unpacked" if unpacked else "packed"
+
+
+def _flat(value: torch.Tensor) -> torch.Tensor | None:
+    """A 1-D view of a per-token field, or None if the shape is not ``[L]`` / ``[1, L]``."""
+    if value.dim() == 1:
+        return value
+    if value.dim() == 2 and value.shape[0] == 1:
+        return value[0]
+    return None
+
+
+def _float_bits(value: float) -> int:
+    return int(struct.unpack("<q", struct.pack("<d", value))[0])
+
+
+def _length(raw: Mapping[str, Any], key: str, rank: int, index: int) -> tuple[int | None, list[int]]:
+    """An integer length field: a one-element integer tensor of shape ``[1]`` (or ``[1, 1]``)."""
+    value, where = raw[key], (rank, index)
+    key_index = SAMPLE_KEYS.index(key)
+    if isinstance(value, bool):
+        return None, record(Problem.BAD_LENGTH, *where, a=key_index, b=LengthKind.BOOL, c=int(value))
+    if isinstance(value, float):
+        return None, record(Problem.BAD_LENGTH, *where, a=key_index, b=LengthKind.PY_FLOAT, c=_float_bits(value))
+    if isinstance(value, int):
+        return None, record(Problem.BAD_LENGTH, *where, a=key_index, b=LengthKind.PY_INT, c=value)
+    if not isinstance(value, torch.Tensor):
+        return None, record(Problem.BAD_LENGTH, *where, a=key_index, b=LengthKind.NOT_A_TENSOR)
+    if value.numel() != 1 or value.dim() not in (1, 2):
+        return None, record(Problem.BAD_LENGTH, *where, a=key_index, b=LengthKind.SHAPE, c=value.dim())
+    if value.dtype.is_floating_point or value.dtype.is_complex:
+        bits = _float_bits(float(value.reshape(()).real.item()))
+        return None, record(
+            Problem.BAD_LENGTH, *where, a=key_index, b=LengthKind.FLOAT_TENSOR + dtype_index(value.dtype), c=bits
+        )
+    if value.dtype == torch.bool:
+        return None, record(Problem.BAD_LENGTH, *where, a=key_index, b=LengthKind.BOOL, c=int(value.item()))
+    return int(value.reshape(()).item()), OK
+
+
+def _token_fields(
+    raw: Mapping[str, Any], length: int, rank: int, index: int
+) -> tuple[dict[str, torch.Tensor], list[int]]:
+    fields: dict[str, torch.Tensor] = {}
+    for key, dtype in TOKEN_FIELDS:
+        key_index = SAMPLE_KEYS.index(key)
+        if key not in raw:
+            return fields, record(Problem.MISSING_KEY, rank, index, a=key_index)
+        value = raw[key]
+        if not isinstance(value, torch.Tensor):
+            return fields, record(Problem.NOT_A_TENSOR, rank, index, a=key_index)
+        if value.dtype != dtype:
+            return fields, record(
+                Problem.BAD_DTYPE, rank, index, a=key_index, b=dtype_index(value.dtype), c=dtype_index(dtype)
+            )
+        flat = _flat(value)
+        if flat is None:
+            lead = value.shape[0] if value.dim() else 0
+            return fields, record(Problem.BAD_SHAPE, rank, index, a=key_index, b=value.dim(), c=lead)
+        if flat.numel() != length:
+            return fields, record(Problem.LENGTH_MISMATCH, rank, index, a=key_index, b=flat.numel(), c=length)
+        fields[key] = flat
+    return fields, OK
+
+
+def _sequence(
+    fields: dict[str, torch.Tensor], start: int, original: int, padded: int, rank: int, index: int, limits: Limits
+) -> tuple[Sample | None, list[int]]:
+    """Check one sequence's lengths and positions; ``fields`` hold the whole sample, it starts at ``start``."""
+    if padded < 1:
+        return None, record(Problem.EMPTY_SAMPLE, rank, index, a=padded)
+    if not 1 <= original <= padded:
+        return None, record(Problem.BAD_ORIGINAL, rank, index, a=original, b=padded)
+    if padded % limits.align:
+        return None, record(Problem.MISALIGNED, rank, index, a=padded, b=limits.align)
+    if limits.capacity is not None and padded > limits.capacity:
+        return None, record(Problem.OVERSIZE, rank, index, a=-1, b=padded, c=limits.capacity)
+    positions = fields["position_ids"][start : start + original]
+    expected = torch.arange(original, dtype=positions.dtype, device=positions.device)
+    wrong = torch.nonzero(positions != expected)
+    if wrong.numel():
+        at = int(wrong[0, 0])
+        return None, record(Problem.BAD_POSITION_IDS, rank, index, a=at, b=int(positions[at]), c=original)
+    sliced = {k: v[start : start + padded] for k, v in fields.items()}
+    return Sample(sliced, original, padded), OK
+
+
+def _unpacked(raw: Mapping[str, Any], rank: int, index: int, limits: Limits) -> tuple[list[Sample], list[int]]:
+    padded, verdict = _length(raw, "padded_seq_len", rank, index)
+    if padded is None:
+        return [], verdict
+    original = padded
+    if "original_seq_len" in raw:
+        stated, verdict = _length(raw, "original_seq_len", rank, index)
+        if stated is None:
+            return [], verdict
+        original = stated
+    if padded < 1:
+        return [], record(Problem.EMPTY_SAMPLE, rank, index, a=padded)
+    fields, verdict = _token_fields(raw, padded, rank, index)
+    if verdict != OK:
+        return [], verdict
+    sample, verdict = _sequence(fields, 0, original, padded, rank, index, limits)
+    return ([sample] if sample is not None else []), verdict
+
+
+def _bounds(raw: Mapping[str, Any], key: str, rank: int, index: int) -> tuple[list[int] | None, list[int]]:
+    """``cu_seqlens``-like boundaries: a 1-D integer tensor of at least two entries, from 0, never decreasing."""
+    value = raw[key]
+    key_index = SAMPLE_KEYS.index(key)
+    flat = _flat(value) if isinstance(value, torch.Tensor) else None
+    if flat is None or flat.dtype.is_floating_point or flat.dtype == torch.bool or flat.numel() < 2:
+        return None, record(Problem.BAD_CU_SEQLENS, rank, index, a=key_index, b=0)
+    bounds = [int(v) for v in flat.tolist()]
+    if bounds[0] != 0:
+        return None, record(Problem.BAD_CU_SEQLENS, rank, index, a=key_index, b=1, c=bounds[0])
+    drop = next((i for i in range(1, len(bounds)) if bounds[i] < bounds[i - 1]), None)
+    if drop is not None:
+        return None, record(Problem.BAD_CU_SEQLENS, rank, index, a=key_index, b=2, c=drop)
+    return bounds, OK
+
+
+def _prepacked(raw: Mapping[str, Any], rank: int, index: int, limits: Limits) -> tuple[list[Sample], list[int]]:
+    real, verdict = _bounds(raw, "cu_seqlens", rank, index)
+    if real is None:
+        return [], verdict
+    padded = real
+    if "cu_seqlens_padded" in raw:
+        stated, verdict = _bounds(raw, "cu_seqlens_padded", rank, index)
+        if stated is None:
+            return [], verdict
+        padded = stated
+        if len(padded) != len(real):
+            key = SAMPLE_KEYS.index("cu_seqlens_padded")
+            return [], record(Problem.BAD_CU_SEQLENS, rank, index, a=key, b=3, c=len(padded) - len(real))
+    fields, verdict = _token_fields(raw, padded[-1], rank, index)
+    if verdict != OK:
+        return [], verdict
+    samples = []
+    for i in range(len(padded) - 1):
+        original, length = real[i + 1] - real[i], padded[i + 1] - padded[i]
+        if length == 0 and original == 0:
+            continue
+        sample, verdict = _sequence(fields, padded[i], original, length, rank, index, limits)
+        if sample is None:
+            return [], verdict
+        samples.append(sample)
+    return samples, OK
+
+
+def check_items(items: list[Any], rank: int, limits: Limits) -> tuple[list[Sample], list[int]]:
+    """Check pulled items against the contract; returns their sequences, or the first problem."""
+    raw_samples: list[Any] = []
+    for index, item in enumerate(items):
+        members = item if isinstance(item, list) else [item]
+        if not members or not all(isinstance(m, dict) for m in members):
+            return [], record(Problem.BAD_ITEM, rank, a=index)
+        raw_samples.extend(members)
+    samples: list[Sample] = []
+    for index, raw in enumerate(raw_samples):
+        form = sample_form(raw)
+        if form is None and "cu_seqlens" not in raw:
+            return [], record(Problem.MISSING_KEY, rank, index, a=SAMPLE_KEYS.index("padded_seq_len"))
+        if form is None or form != sample_form(raw_samples[0]):
+            return [], record(Problem.MIXED_FORMS, rank, index)
+        found, verdict = (_unpacked if form == "unpacked" else _prepacked)(raw, rank, index, limits)
+        if verdict != OK:
+            return [], verdict
+        samples.extend(found)
+    return samples, OK
+
+
+def read_step(data_iterator: Iterator[Any] | None, num_microbatches: int, rank: int, limits: Limits) -> LocalBatch:
+    """Pull and check this rank's items for one step (``rank``, the DP rank, names it in messages)."""
+    items, verdict, cause = pull(data_iterator, num_microbatches, rank)
+    if verdict != OK:
+        return LocalBatch([], verdict, cause, items)
+    samples, verdict = check_items(items, rank, limits)
+    return LocalBatch(samples, verdict, None, items)
+
+
+# -- converting between the two forms -----------------------------------------------------------
+
+SAMPLE_FORMS: tuple[str, ...] = ("packed", "unpacked")
+"""Every form; a pin's scheduler accepts a subset (``Generation.sample_forms``)."""
+
+
+def _zero_padding(fields: dict[str, torch.Tensor], real: list[int], padded: list[int]) -> dict[str, torch.Tensor]:
+    """Copies of ``fields`` with 0 on every padding slot (as Megatron-Core writes over padding)."""
+    keep = torch.zeros(padded[-1], dtype=torch.bool)
+    for i in range(len(padded) - 1):
+        keep[padded[i] : padded[i] + real[i + 1] - real[i]] = True
+    return {key: value.masked_fill(~keep.to(value.device), 0) for key, value in fields.items()}
+
+
+def _fields(raw: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    return {key: raw[key].reshape(-1) for key in TOKEN_KEYS}
+
+
+def _as_packed(raw: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """One pre-packed sample whose ``cu_seqlens`` marks padded sequences, padding zeroed (real lengths are lost)."""
+    fields = _fields(raw)
+    if sample_form(raw) == "unpacked":
+        padded = int(raw["padded_seq_len"].reshape(()).item())
+        original = int(raw["original_seq_len"].reshape(()).item()) if "original_seq_len" in raw else padded
+        real, bounds = [0, original], [0, padded]
+    else:
+        real = [int(v) for v in raw["cu_seqlens"].reshape(-1).tolist()]
+        bounds = [int(v) for v in raw["cu_seqlens_padded"].reshape(-1).tolist()]
+    packed: dict[str, torch.Tensor] = _zero_padding(fields, real, bounds)
+    device = fields["tokens"].device
+    packed["cu_seqlens"] = torch.tensor(bounds, dtype=torch.int32, device=device)
+    return packed
+
+
+def _as_unpacked(raw: Mapping[str, Any]) -> list[dict[str, torch.Tensor]]:
+    """The sequences of a pre-packed sample as unpacked samples (lossless)."""
+    fields = _fields(raw)
+    real = [int(v) for v in raw["cu_seqlens"].reshape(-1).tolist()]
+    bounds = [int(v) for v in raw["cu_seqlens_padded"].reshape(-1).tolist()] if "cu_seqlens_padded" in raw else real
+    device = fields["tokens"].device
+    out = []
+    for i in range(len(bounds) - 1):
+        original, padded = real[i + 1] - real[i], bounds[i + 1] - bounds[i]
+        if padded == 0:
+            continue
+        sample = {key: value[bounds[i] : bounds[i + 1]] for key, value in fields.items()}
+        sample["original_seq_len"] = torch.tensor([original], dtype=torch.int32, device=device)
+        sample["padded_seq_len"] = torch.tensor([padded], dtype=torch.int32, device=device)
+        out.append(sample)
+    return out
+
+
+def _convert(raw: dict[str, Any], accepted: tuple[str, ...]) -> list[dict[str, Any]] | None:
+    """``raw`` in a form this pin's scheduler reads correctly, or None when it already is."""
+    form = sample_form(raw)
+    if form == "unpacked":
+        return None if "unpacked" in accepted else [_as_packed(raw)]
+    if "cu_seqlens_padded" not in raw:
+        return None if "packed" in accepted else _as_unpacked(raw)
+    return _as_unpacked(raw) if "unpacked" in accepted else [_as_packed(raw)]
+
+
+def convert_items(items: list[Any], accepted: tuple[str, ...]) -> list[Any]:
+    """Checked items rewritten, where needed, into a form the pin's scheduler accepts.
+
+    Items already in an accepted form come back as the very same objects. Megatron-Core reads
+    ``cu_seqlens`` as the buffer boundaries, so a pre-packed sample with ``cu_seqlens_padded`` is
+    always converted: to unpacked samples where the pin takes them (lossless), else to a pre-packed
+    sample whose ``cu_seqlens`` is the padded one. Unpacked samples on a pin that takes only
+    pre-packed ones become one pre-packed sample each. In both lossy cases the real lengths are lost:
+    each sequence counts as real up to its padded length (``cu_seqlens`` equals
+    ``cu_seqlens_padded`` in the packed microbatch, attention runs over the padding tail), and the
+    facade writes 0 over the padding slots of every per-token field, so the padding adds no loss.
+    """
+    out: list[Any] = []
+    for item in items:
+        members = item if isinstance(item, list) else [item]
+        converted = [_convert(member, accepted) for member in members]
+        if all(c is None for c in converted):
+            out.append(item)
+            continue
+        flat = [new for member, c in zip(members, converted, strict=True) for new in ([member] if c is None else c)]
+        out.append(flat[0] if isinstance(item, dict) and len(flat) == 1 else flat)
+    return out

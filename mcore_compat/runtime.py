@@ -1,0 +1,106 @@
+"""Runtime packing settings, read strictly from the model config on every rank before any collective.
+
+The rules are the ones :func:`packing.config.validate_global_batch_packing` applies before training,
+so a config that was never validated fails the same way, on every rank, naming the field, its value
+and the fix, instead of running something else (``dynamic_context_parallel="yes"`` running static CP)
+or failing inside Megatron-Core. The config is identical on every rank, so raising here strands no one.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+from mcore_compat.contract import Limits, alignment_multiple
+from mcore_compat.errors import PackingConfigError
+
+__all__ = [
+    "check_dynamic_cp_flags",
+    "check_min_dynamic_cp_size",
+    "require_fields",
+    "scheduler_name",
+    "step_limits",
+]
+
+
+def _is_positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def scheduler_name(model_config: Any, known: tuple[str, ...] = ()) -> str:
+    """The configured scheduler as an exact string (an enum member is written back as its string value).
+
+    With ``known``, the name must be one of them, spelt exactly.
+    """
+    value = getattr(model_config, "sequence_packing_scheduler", None)
+    if isinstance(value, enum.Enum) and isinstance(value.value, str):
+        value = value.value
+        model_config.sequence_packing_scheduler = value
+    if not isinstance(value, str):
+        raise PackingConfigError(
+            f"model_config.sequence_packing_scheduler={value!r} is not a scheduler name; "
+            "set it to 'dp_balanced' (or 'default_dynamic_cp' with dynamic context parallelism)"
+        )
+    if known and value not in known:
+        close = [name for name in known if name.lower() == value.strip().lower()]
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise PackingConfigError(
+            f"model_config.sequence_packing_scheduler={value!r} is not a scheduler of this Megatron-Core; "
+            f"{hint}use one of {list(known)}, spelt exactly"
+        )
+    return value
+
+
+def check_dynamic_cp_flags(model_config: Any) -> None:
+    """``dynamic_context_parallel`` (and the deprecated ``hybrid_context_parallel``) is True, False or unset."""
+    for name in ("dynamic_context_parallel", "hybrid_context_parallel"):
+        value = getattr(model_config, name, None)
+        if value is not None and not isinstance(value, bool):
+            raise PackingConfigError(
+                f"model_config.{name}={value!r}: set it to True or False (a bool; "
+                f"{type(value).__name__} values such as 1 or 'yes' are not read as a switch)"
+            )
+
+
+def check_min_dynamic_cp_size(model_config: Any, pool: int) -> int:
+    """``min_dynamic_context_parallel_size``: a power of two that divides the DP x CP pool."""
+    value = getattr(model_config, "min_dynamic_context_parallel_size", 1)
+    if not _is_positive_int(value) or value & (value - 1) or pool % value:
+        raise PackingConfigError(
+            f"model_config.min_dynamic_context_parallel_size={value!r}: set it to a power of two that divides "
+            f"the DP x CP pool ({pool}), e.g. 1"
+        )
+    return value
+
+
+def require_fields(model_config: Any, fields: tuple[str, ...], why: str) -> None:
+    """Each of ``fields`` exists on the config (None is a value), or raise naming the first missing one."""
+    for name in fields:
+        if not hasattr(model_config, name):
+            raise PackingConfigError(
+                f"model_config has no {name!r}, which {why} reads; set model_config.{name} "
+                "(None when unused, as TransformerConfig defaults it)"
+            )
+
+
+def step_limits(model_config: Any, pg_collection: Any, dynamic_cp: bool) -> Limits:
+    """The alignment and capacity every sequence of a step must meet on this layout.
+
+    Capacity is ``max_seqlen_per_dp_cp_rank`` times the CP size (static CP) or the DP x CP pool
+    (dynamic CP: a sequence may spread over the whole pool).
+    """
+    capacity = getattr(model_config, "max_seqlen_per_dp_cp_rank", None)
+    if not _is_positive_int(capacity):
+        raise PackingConfigError(
+            f"model_config.max_seqlen_per_dp_cp_rank={capacity!r}: set it to the positive int number of padded "
+            "tokens one DP x CP rank holds per microbatch"
+        )
+    dp, cp, tp = pg_collection.dp.size(), pg_collection.cp.size(), pg_collection.tp.size()
+    align = alignment_multiple(
+        dynamic_cp=dynamic_cp,
+        dp=dp,
+        cp=cp,
+        tp=tp,
+        sequence_parallel=getattr(model_config, "sequence_parallel", False) is True,
+    )
+    return Limits(align, capacity * cp * (dp if dynamic_cp else 1))

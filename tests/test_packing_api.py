@@ -1,0 +1,175 @@
+"""The public surface of ``packing``, pinned: a change here is an API change (update the CHANGELOG with it)."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import pkgutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+import mcore_compat
+import packing
+import packing.types
+from mcore_compat import errors
+from mcore_compat.portable.errors import PortablePackingError
+from packing.config import validate_global_batch_packing
+from packing.global_batch import alignment_multiple, build_unpacked_sequence_sample, validate_unpacked_sample
+
+PROJECT = Path(__file__).resolve().parents[1]
+
+PACKING_ALL = [
+    "DYNAMIC_CP_SCHEDULERS",
+    "BadSampleError",
+    "PackedBatch",
+    "PackingConfigError",
+    "PackingError",
+    "UnsupportedPinError",
+    "WrapResult",
+    "dynamic_context_parallel_enabled",
+    "dynamic_cp_initialize_keywords",
+    "enable_dynamic_cp_model_support",
+    "finalize_packed_seq_params",
+    "get_batch_for_global_batch_packing",
+    "global_batch_packing_enabled",
+    "model_support_applied",
+    "probe_global_batch_packing_support",
+    "wrap_data_iterator_for_global_batch_packing",
+]
+SIGNATURES = {
+    "global_batch_packing_enabled": "(model_config: 'Any') -> 'bool'",
+    "dynamic_context_parallel_enabled": "(model_config: 'Any') -> 'bool'",
+    "probe_global_batch_packing_support": "(scheduler: 'str', *, dynamic_cp: 'bool' = False) -> 'str | None'",
+    "wrap_data_iterator_for_global_batch_packing": (
+        "(data_iterator: 'Any', model_config: 'PackingModelConfig', num_microbatches: 'int', "
+        "pg_collection: 'ProcessGroupCollectionLike') -> 'WrapResult'"
+    ),
+    "get_batch_for_global_batch_packing": (
+        "(data_iterator: 'Any', model_config: 'PackingModelConfig', *, pg_collection: 'ProcessGroupCollectionLike', "
+        "vp_stage: 'int | None') -> 'PackedBatch'"
+    ),
+    "finalize_packed_seq_params": ("(packed_seq_params: 'Any', pg_collection: 'ProcessGroupCollectionLike') -> 'Any'"),
+    # Megatron-Bridge's private seams, kept with its signatures so code that patches them keeps working.
+    "_scheduler_api": "() -> 'SchedulerApi'",
+    "_accepted_parameters": "(fn: 'Callable[..., Any]') -> 'frozenset[str]'",
+    "_thd_cp_route_prebuilder": "() -> 'Callable[..., None] | None'",
+    "_iterator_for_tp_rank": "(data_iterator: 'Any', pg_collection: 'ProcessGroupCollectionLike') -> 'Any'",
+}
+TYPES_ALL = [
+    "BadSampleError",
+    "PackedBatch",
+    "PackingConfigError",
+    "PackingError",
+    "PackingModelConfig",
+    "ProcessGroupCollectionLike",
+    "ProcessGroupLike",
+    "SchedulerApi",
+    "UnsupportedPinError",
+    "WrapResult",
+]
+
+
+def test_packing_all_is_pinned():
+    assert packing.__all__ == PACKING_ALL
+    assert packing.types.__all__ == TYPES_ALL
+
+
+@pytest.mark.parametrize("name", list(SIGNATURES))
+def test_facade_signatures_are_pinned(name: str):
+    assert str(inspect.signature(getattr(packing, name))) == SIGNATURES[name]
+
+
+def test_bridge_module_attributes_exist():
+    assert packing.DYNAMIC_CP_SCHEDULERS == ("default_dynamic_cp",)
+    assert isinstance(packing._DEV_PIN_HINT, str) and packing.logger.name == "packing"
+
+
+def test_results_are_named_tuples_that_still_unpack():
+    wrapped = packing.WrapResult("it", 3, 10.0, 50.0)
+    packed_iterator, count, seqlen_sum, squared = wrapped
+    assert isinstance(wrapped, tuple) and (packed_iterator, count, seqlen_sum, squared) == ("it", 3, 10.0, 50.0)
+    assert wrapped.packed_num_microbatches == 3 and wrapped.seqlen_squared_sum == 50.0
+    assert packing.PackedBatch._fields == (
+        "tokens",
+        "labels",
+        "loss_mask",
+        "attention_mask",
+        "position_ids",
+        "packed_seq_params",
+        "padding_mask",
+    )
+    assert packing.WrapResult._fields == (
+        "packed_iterator",
+        "packed_num_microbatches",
+        "seqlen_sum",
+        "seqlen_squared_sum",
+    )
+    for name in TYPES_ALL:
+        if hasattr(packing, name):
+            assert getattr(packing, name) is getattr(packing.types, name)
+
+
+def test_error_kinds_are_value_errors():
+    kinds = (packing.PackingConfigError, packing.UnsupportedPinError, packing.BadSampleError)
+    for kind in kinds:
+        assert issubclass(kind, packing.PackingError) and issubclass(kind, ValueError)
+    assert len({*kinds}) == 3 and not any(issubclass(a, b) for a in kinds for b in kinds if a is not b)
+    assert issubclass(PortablePackingError, packing.BadSampleError)
+
+
+def test_errors_module_is_a_leaf():
+    tree = ast.parse(Path(errors.__file__).read_text())
+    imported = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    assert imported == ["__future__"]
+
+
+def test_every_public_module_declares_all():
+    for root in (mcore_compat, packing):
+        for info in pkgutil.walk_packages(root.__path__, f"{root.__name__}."):
+            if info.name.endswith("__main__"):
+                continue
+            module = importlib.import_module(info.name)
+            assert isinstance(getattr(module, "__all__", None), list), info.name
+            assert [n for n in module.__all__ if not hasattr(module, n)] == [], info.name
+
+
+def test_importing_the_facade_imports_no_megatron():
+    code = (
+        "import sys, packing, packing.types, packing.config; "
+        "print([m for m in sys.modules if m.startswith('megatron')])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PROJECT, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
+
+
+# -- which kind each raise site raises -------------------------------------------------------------
+
+
+def test_config_errors():
+    cfg = SimpleNamespace(
+        model=SimpleNamespace(sequence_packing_scheduler="dp_balanced"),
+        dataset=SimpleNamespace(enable_global_batch_packing=False),
+    )
+    with pytest.raises(packing.PackingConfigError, match="sequence_packing_scheduler='dp_balanced'"):
+        validate_global_batch_packing(cfg)
+    with pytest.raises(packing.PackingConfigError, match="dp=0"):
+        alignment_multiple(dynamic_cp=False, dp=0, cp=1, tp=1, sequence_parallel=False)
+    groups = SimpleNamespace(tp=None)
+    with pytest.raises(packing.PackingConfigError, match="num_microbatches=0"):
+        packing.wrap_data_iterator_for_global_batch_packing(iter([]), SimpleNamespace(), 0, groups)
+    with pytest.raises(packing.PackingConfigError, match="pg_collection=None"):
+        packing.get_batch_for_global_batch_packing(iter([]), SimpleNamespace(), pg_collection=None, vp_stage=None)
+
+
+def test_sample_errors():
+    with pytest.raises(packing.BadSampleError, match="tokens is empty"):
+        build_unpacked_sequence_sample([], [], [], pad_to_multiple_of=2, pad_token_id=0)
+    with pytest.raises(packing.BadSampleError, match="missing"):
+        validate_unpacked_sample({"tokens": None})
