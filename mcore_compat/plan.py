@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,7 +45,7 @@ __all__ = [
 ]
 
 DYNAMIC_SCHEDULERS: tuple[str, ...] = ("default_dynamic_cp",)
-"""Schedulers ``plan`` names but cannot simulate yet (dynamic context parallelism)."""
+"""Dynamic context-parallel schedulers ``plan`` simulates (:mod:`mcore_compat.portable.dynamic`)."""
 
 
 class PlanInputError(ValueError):
@@ -191,6 +192,11 @@ class ScheduleReport:
     dp_imbalance: list[float] = field(default_factory=list)
     attention_imbalance: list[float] = field(default_factory=list)
     unavailable: str | None = None
+    cp_sizes: list[list[int]] | None = None
+    """Dynamic CP only: ``cp_sizes[i][r]``, the CP group size DP x CP rank ``r`` runs microbatch ``i`` on; then
+    ``bins``, ``loads`` (per-rank tokens: the bin's over its group size) are over DP x CP ranks."""
+    padded: list[int] | None = None
+    """Dynamic CP only: the lengths padded to its alignment, ``2 x DP x CP`` (times TP with SP)."""
 
     def as_dict(self) -> dict[str, Any]:
         if self.unavailable is not None:
@@ -203,6 +209,7 @@ class ScheduleReport:
             "dp_efficiency": self.dp_efficiency,
             "dp_imbalance": self.dp_imbalance,
             "attention_imbalance": self.attention_imbalance,
+            **({"cp_sizes": self.cp_sizes, "padded": self.padded} if self.cp_sizes is not None else {}),
         }
 
 
@@ -241,38 +248,94 @@ def plan_lengths(
     multiple = alignment(layout, sequence_parallel)
     padded = [-(-n // multiple) * multiple for n in raw]
     capacity = max_seqlen_per_dp_cp_rank * layout.cp
-    _check_lengths(raw, padded, capacity, layout, source)
-    reports = []
     for name in schedulers:
-        if name in DYNAMIC_SCHEDULERS:
-            pool = layout.dp * layout.cp
-            if pool & (pool - 1):
-                raise PlanInputError(
-                    f"--scheduler {name} with --layout {layout.tp},{layout.cp},{layout.dp}: DP x CP = {pool} must be "
-                    "a power of two for dynamic context parallelism; change DP or CP"
-                )
-            if min_dynamic_context_parallel_size < 1 or min_dynamic_context_parallel_size > pool:
-                raise PlanInputError(
-                    f"--min-dynamic-context-parallel-size {min_dynamic_context_parallel_size}: use a power of two "
-                    f"between 1 and DP x CP = {pool}"
-                )
-            reports.append(
-                ScheduleReport(
-                    name, unavailable="not yet available in plan (the portable dynamic-CP scheduler is not merged)"
-                )
-            )
-            continue
-        if name not in PLANNERS:
+        if name not in PLANNERS and name not in DYNAMIC_SCHEDULERS:
             raise PlanInputError(
                 f"--scheduler {name!r} is not a scheduler plan knows; use one of "
                 f"{', '.join((*SCHEDULERS, *DYNAMIC_SCHEDULERS))}"
             )
+    if any(name in PLANNERS for name in schedulers):
+        _check_lengths(raw, padded, capacity, layout, source)
+    reports = []
+    for name in schedulers:
+        if name in DYNAMIC_SCHEDULERS:
+            reports.append(
+                _plan_dynamic(
+                    name,
+                    raw,
+                    layout,
+                    max_seqlen_per_dp_cp_rank,
+                    sequence_parallel,
+                    min_dynamic_context_parallel_size,
+                    source,
+                )
+            )
+            continue
         try:
             plan = PLANNERS[name](padded, capacity=capacity, dp_size=layout.dp)
         except PortablePackingError as exc:
             raise PlanInputError(f"--scheduler {name}: {exc}") from None
         reports.append(_report(name, plan.bins, layout.dp, raw, padded))
     return padded, reports
+
+
+def _plan_dynamic(
+    name: str,
+    raw: Sequence[int],
+    layout: Layout,
+    max_seqlen: int,
+    sequence_parallel: bool,
+    min_size: int,
+    source: str,
+) -> ScheduleReport:
+    """``default_dynamic_cp`` through the portable backend's own planner: bins per DP x CP rank, each with a CP size."""
+    from mcore_compat.portable.dynamic import plan_default_dynamic_cp
+
+    pool = layout.dp * layout.cp
+    if pool & (pool - 1):
+        raise PlanInputError(
+            f"--scheduler {name} with --layout {layout.tp},{layout.cp},{layout.dp}: DP x CP = {pool} must be "
+            "a power of two for dynamic context parallelism; change DP or CP"
+        )
+    if min_size < 1 or min_size > pool or min_size & (min_size - 1):
+        raise PlanInputError(
+            f"--min-dynamic-context-parallel-size {min_size}: use a power of two between 1 and DP x CP = {pool}"
+        )
+    multiple = 2 * pool * (layout.tp if sequence_parallel else 1)
+    padded = [-(-n // multiple) * multiple for n in raw]
+    for index, (length, aligned) in enumerate(zip(raw, padded, strict=True)):
+        if aligned > max_seqlen * pool:
+            raise PlanInputError(
+                f"{source} line {index + 1} (sample {index}): length {length} (padded to {aligned}) exceeds "
+                f"max_seqlen_per_dp_cp_rank x DP x CP = {max_seqlen * pool}, the largest dynamic-CP bin; raise "
+                f"--max-seqlen-per-dp-cp-rank to at least {-(-aligned // pool)} or truncate the sample"
+            )
+    plan = plan_default_dynamic_cp(padded, max_seqlen_per_rank=max_seqlen, ranks=pool, min_size=min_size)
+    grid = [[list(members) for members in row] for row in plan.microbatches]
+    sizes = []
+    for row in grid:  # the ranks of one group run the same bin: count them by its first sample
+        members = Counter(b[0] for b in row if b)
+        sizes.append([members[b[0]] if b else 1 for b in row])
+    loads = [
+        [sum(padded[s] for s in members) // size for members, size in zip(row, size_row, strict=True)]
+        for row, size_row in zip(grid, sizes, strict=True)
+    ]
+    work = [
+        [sum(padded[s] ** 2 for s in members) // size for members, size in zip(row, size_row, strict=True)]
+        for row, size_row in zip(grid, sizes, strict=True)
+    ]
+    busiest = sum(max(row) for row in loads)
+    return ScheduleReport(
+        scheduler=name,
+        microbatches=plan.num_microbatches,
+        bins=grid,
+        loads=loads,
+        dp_efficiency=sum(raw) / (pool * busiest) if busiest else 1.0,
+        dp_imbalance=[_ratio_to_mean(row) for row in loads],
+        attention_imbalance=[_ratio_to_mean(row) for row in work],
+        cp_sizes=sizes,
+        padded=padded,
+    )
 
 
 def _report(
@@ -322,15 +385,22 @@ def format_reports(
         if report.unavailable is not None:
             lines.append(f"{report.scheduler}: {report.unavailable}")
             continue
+        own = report.padded if report.padded is not None else padded
         slots = report.microbatches * layout.dp * capacity
+        ranks = "DP x CP rank" if report.cp_sizes is not None else "DP rank"
         lines += [
             f"{report.scheduler}:",
             f"  microbatches per step: {report.microbatches} ({report.microbatches / bound:.3f} x the lower bound)",
-            f"  padding: {sum(padded) - sum(raw)} alignment tokens; bins {sum(padded) / slots:.1%} full on average",
+            f"  padding: {sum(own) - sum(raw)} alignment tokens; bins {sum(own) / slots:.1%} full on average",
             f"  DP efficiency: {report.dp_efficiency:.3f}",
-            f"  DP imbalance per microbatch (busiest / mean): {_spread(report.dp_imbalance)}",
+            f"  imbalance per microbatch over {ranks}s (busiest / mean): {_spread(report.dp_imbalance)}",
             f"  attention-work imbalance per microbatch (sum L^2): {_spread(report.attention_imbalance)}",
         ]
+        if report.cp_sizes is not None:
+            ranks_on = Counter(size for row in report.cp_sizes for size in row)
+            counts = {size: n // size for size, n in ranks_on.items()}
+            sizes = ", ".join(f"{n} bins on {size}" for size, n in sorted(counts.items()))
+            lines.append(f"  dynamic CP group sizes: {sizes}")
     return "\n".join(lines)
 
 
@@ -348,9 +418,10 @@ def plot(reports: Sequence[ScheduleReport], path: str, capacity: int) -> None:
     shown = [r for r in reports if r.unavailable is None]
     figure, axes = plt.subplots(1, len(shown), figsize=(5 * len(shown), 4), squeeze=False)
     for ax, report in zip(axes[0], shown, strict=True):
-        image = ax.imshow(report.loads, aspect="auto", vmin=0, vmax=capacity, cmap="viridis")
+        top = capacity if report.cp_sizes is None else max(max(row) for row in report.loads)
+        image = ax.imshow(report.loads, aspect="auto", vmin=0, vmax=top, cmap="viridis")
         ax.set_title(f"{report.scheduler}: {report.microbatches} microbatches")
-        ax.set_xlabel("DP rank")
+        ax.set_xlabel("DP rank" if report.cp_sizes is None else "DP x CP rank (tokens per rank)")
         ax.set_ylabel("microbatch")
     figure.colorbar(image, ax=axes[0].tolist(), label="padded tokens")
     figure.savefig(path)

@@ -86,6 +86,12 @@ def _scheduler_api() -> SchedulerApi:
     return chosen.scheduler_api()
 
 
+def _portable_api_for(chosen: Any, model_config: Any) -> SchedulerApi | None:
+    """On a native pin, the portable backend's entry points for what its Megatron-Core lacks (``balanced``)."""
+    portable_api_for = getattr(chosen, "portable_api_for", None)
+    return portable_api_for(model_config) if portable_api_for is not None else None
+
+
 @functools.cache
 def _announce_portable(pin: str) -> None:
     logger.info("Megatron-Core %s has no packing scheduler: the portable backend runs dp_balanced", pin)
@@ -165,7 +171,7 @@ def wrap_data_iterator_for_global_batch_packing(
         )
     chosen = adapter()
     chosen.require_runnable(model_config)
-    wrap_data_iterator, _ = _scheduler_api()
+    wrap_data_iterator, _ = _portable_api_for(chosen, model_config) or _scheduler_api()
     iterator = _iterator_for_tp_rank(data_iterator, pg_collection)
     if iterator is not None and not chosen.rank_loads_data(pg_collection):
         iterator = None
@@ -196,7 +202,7 @@ def get_batch_for_global_batch_packing(
     """
     _require_pg_collection(pg_collection)
     chosen = adapter()
-    _, fetch = _scheduler_api()
+    _, fetch = _portable_api_for(chosen, model_config) or _scheduler_api()
     accepted = _accepted_parameters(fetch)
     optional: dict[str, Any] = {}
     if "dynamic_cp" in accepted:

@@ -77,11 +77,42 @@ def test_human_output_compares_the_schedulers(capsys):
         assert text in out
 
 
-def test_default_dynamic_cp_is_named_but_not_simulated(capsys):
+@pytest.mark.parametrize(("layout", "min_size"), [((1, 2, 2), 1), ((1, 1, 8), 2), ((2, 4, 4), 4)])
+def test_default_dynamic_cp_plan(tmp_path, capsys, layout, min_size):
+    """Dynamic CP: bins over DP x CP ranks, each group on a power-of-two number of ranks that share its bin."""
+    tp, cp, dp = layout
+    pool, m = dp * cp, 512
+    lengths = [((7 * i * i + 13 * i) % (m * pool - 2 * pool)) + 1 for i in range(60)]
+    path = tmp_path / "lengths.txt"
+    path.write_text("\n".join(map(str, lengths)))
+    argv = ["--lengths", str(path), "--layout", f"{tp},{cp},{dp}", "--max-seqlen-per-dp-cp-rank", str(m)]
+    argv += ["--scheduler", "default_dynamic_cp", "--min-dynamic-context-parallel-size", str(min_size), "--json"]
+    status, out, err = _plan(capsys, *argv)
+    assert status == 0, err
+    (report,) = json.loads(out)["schedulers"]
+    multiple = alignment_multiple(dynamic_cp=True, dp=dp, cp=cp, tp=tp, sequence_parallel=False)
+    padded = [-(-n // multiple) * multiple for n in lengths]
+    assert report["padded"] == padded
+    seen = []
+    for bins, sizes in zip(report["bins"], report["cp_sizes"], strict=True):
+        assert len(bins) == len(sizes) == pool
+        rank = 0
+        while rank < pool:
+            size = sizes[rank]
+            assert size >= min_size and size & (size - 1) == 0
+            group = bins[rank : rank + size]
+            assert all(b == group[0] for b in group) and group[0], "a group's ranks run one non-empty bin"
+            assert sum(padded[s] for s in group[0]) <= m * size, "no rank over max_seqlen_per_dp_cp_rank"
+            seen += group[0]
+            rank += size
+    assert sorted(seen) == list(range(len(lengths))), "every sample exactly once"
+
+
+def test_human_output_names_dynamic_cp_group_sizes(capsys):
     argv = ["--synthetic", "uniform", "--samples", "64", "--layout", "1,2,2", "--max-seqlen-per-dp-cp-rank", "512"]
     status, out, _ = _plan(capsys, *argv, "--scheduler", "default_dynamic_cp")
     assert status == 0
-    assert "default_dynamic_cp: not yet available in plan" in out
+    assert "default_dynamic_cp:" in out and "dynamic CP group sizes:" in out
 
 
 @pytest.mark.parametrize(

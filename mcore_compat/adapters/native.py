@@ -70,6 +70,10 @@ class NativeSchedulerAdapter(PackingAdapter):
     def scheduler_api(self) -> SchedulerApi:
         return self._wrap, self._fetch
 
+    def portable_api_for(self, model_config: Any) -> SchedulerApi | None:
+        """The portable backend's entry points where this config runs there (e.g. ``balanced``), else None."""
+        return self._portable().scheduler_api() if self._config_runs_portably(model_config) else None
+
     # -- schedulers Megatron-Core's registry lacks run on the portable backend ------------------
 
     def data_probe(self, scheduler: str, *, dynamic_cp: bool = False) -> str | None:
