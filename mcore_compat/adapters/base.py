@@ -30,7 +30,7 @@ def pin_hint(names: list[str]) -> str:
     """The remedy that names the pins to switch to (``mcore-compat pin`` is on every installation's PATH)."""
     if len(names) > 2:
         return (
-            f"Switch the Megatron-Core pin, e.g. with `mcore-compat pin {names[-1]}` "
+            f"Switch the Megatron-Core pin, e.g. with `mcore-compat pin {names[0]}` "
             f"(`mcore-compat pin list`; {len(names)} pins run it: {', '.join(names)})."
         )
     commands = " or ".join(f"`mcore-compat pin {name}`" for name in names)

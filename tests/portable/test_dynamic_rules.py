@@ -118,7 +118,7 @@ def test_probe_refuses_pins_without_sub_groups_with_a_pin_that_has_them():
     reason = PortableAdapter(caps).probe("default_dynamic_cp", dynamic_cp=True)
     pin = dynamic_cp.first_dynamic_cp_pin()
     assert reason is not None and "DP x CP sub-groups" in reason and "detected G0 (" in reason
-    assert f"scripts/switch_mcore.sh {pin or 'dev'}`" in reason
+    assert f"`mcore-compat pin {pin}`" in reason
     assert reason.count(". ") == 1, "one sentence, then the switch hint"
 
 
