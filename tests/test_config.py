@@ -510,7 +510,7 @@ print(json.dumps(out))
 REAL_EXPECTED: dict[str, tuple[list[Any], list[Any]]] = {
     "M3": (
         ["ok", "dp_balanced", 4],
-        ["model.sequence_packing_scheduler='default_dynamic_cp' cannot run", "scripts/switch_mcore.sh dev"],
+        ["model.sequence_packing_scheduler='default_dynamic_cp' cannot run", "enable_dynamic_cp_model_support()"],
     ),
     "G8": (["ok", "dp_balanced", 4], ["ok", "default_dynamic_cp", 8]),
 }

@@ -30,8 +30,8 @@ def pin_hint(names: list[str]) -> str:
     """The remedy that names the pins to switch to (``mcore-compat pin`` is on every installation's PATH)."""
     if len(names) > 2:
         return (
-            f"Switch the Megatron-Core pin, e.g. with `mcore-compat pin {names[0]}` "
-            f"(`mcore-compat pin list`; {len(names)} pins run it: {', '.join(names)})."
+            f"Switch the Megatron-Core pin with `mcore-compat pin {names[0]}` "
+            f"(or another of the {len(names)} pins that run it: {', '.join(names[1:])})."
         )
     commands = " or ".join(f"`mcore-compat pin {name}`" for name in names)
     return f"Switch the Megatron-Core pin with {commands}."
