@@ -185,7 +185,9 @@ def _pin_session(pin: pins.Pin) -> None:
 @nox.session(python=PY311, tags=[MATRIX_TAG], allow_parallel=True, reuse_venv=True)
 def lint(session: nox.Session) -> None:
     """ruff check, ruff format --check, and mypy over mcore_compat and packing (pyproject.toml [tool.mypy])."""
-    session.install(RUFF, MYPY, *TABLE.pythons["3.11"].base)
+    project = nox.project.load_toml(ROOT / "pyproject.toml")["project"]
+    typed = [req for req in project["dependencies"] if not req.startswith(("megatron-core", "torch"))]
+    session.install(RUFF, MYPY, *TABLE.pythons["3.11"].base, *typed)
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     session.run("mypy")

@@ -62,10 +62,23 @@ _COMPONENT_SOURCES: dict[ModelComponent, tuple[str, str | None, str | None, str]
 }
 
 UPSTREAM_ATTENTION_FIX = "Megatron-LM PR #6821 (merged into main after the pinned main commit)"
-_REMEDY = (
-    "use a static-CP scheduler (dp_balanced) for this model, or pin Megatron-Core dev, whose model code "
-    "follows the microbatch's group"
-)
+
+
+def _remedy() -> str:
+    """A static-CP scheduler, or the pins whose model code follows the microbatch's group (``pins.toml``)."""
+    from mcore_compat.generations import GENERATIONS, MODEL_COMPONENTS
+    from mcore_compat.pins import load
+
+    names = [
+        pin.name
+        for pin in load().pins.values()
+        if set(MODEL_COMPONENTS) <= set(GENERATIONS[pin.generation].model_follows_microbatch_cp_group)
+    ]
+    switch = " or ".join(f"`mcore-compat pin {name}`" for name in names) or "a Megatron-Core dev pin"
+    return (
+        f"use a static-CP scheduler (dp_balanced) for this model, or switch with {switch}, "
+        "whose model code follows the microbatch's group"
+    )
 
 
 class NoContextParallelGroup:
@@ -355,13 +368,13 @@ def dynamic_cp_model_refusal(capabilities: Any, model_config: Any = None) -> str
                 return (
                     f"dynamic CP is not supported for {what} on {capabilities.describe()}: "
                     "enable_dynamic_cp_model_support() covers only Attention.forward; "
-                    f"unset the variant or {_REMEDY}"
+                    f"unset the variant or {_remedy()}"
                 )
             continue
         if component not in following:
             return (
                 f"dynamic CP is not supported for {what} on {capabilities.describe()}: its code keeps the static "
-                f"CP group ({_UPSTREAM[component]}); {_REMEDY}"
+                f"CP group ({_UPSTREAM[component]}); {_remedy()}"
             )
     if not attention_follows and not model_support_applied():
         return (

@@ -92,6 +92,11 @@ def _portable_api_for(chosen: Any, model_config: Any) -> SchedulerApi | None:
     return portable_api_for(model_config) if portable_api_for is not None else None
 
 
+_PIN_SCHEDULER_API = _scheduler_api
+"""The unpatched seam: only in front of the pin's own scheduler does the facade agree on the step's samples first
+(a ``_scheduler_api`` patched by a test gets the raw iterator, as Bridge's module passes it)."""
+
+
 @functools.cache
 def _announce_portable(pin: str) -> None:
     logger.info("Megatron-Core %s has no packing scheduler: the portable backend runs dp_balanced", pin)
@@ -171,10 +176,15 @@ def wrap_data_iterator_for_global_batch_packing(
         )
     chosen = adapter()
     chosen.require_runnable(model_config)
-    wrap_data_iterator, _ = _portable_api_for(chosen, model_config) or _scheduler_api()
+    portable_api = _portable_api_for(chosen, model_config)
+    wrap_data_iterator, _ = portable_api or _scheduler_api()
     iterator = _iterator_for_tp_rank(data_iterator, pg_collection)
     if iterator is not None and not chosen.rank_loads_data(pg_collection):
         iterator = None
+    own_scheduler = portable_api is None and _scheduler_api is _PIN_SCHEDULER_API
+    checked_iterator = getattr(chosen, "checked_iterator", None) if own_scheduler else None
+    if checked_iterator is not None:  # native pins: every rank agrees on the step's samples before MCore runs
+        iterator = checked_iterator(iterator, model_config, num_microbatches, pg_collection)
     packed, count, seqlen_sum, seqlen_squared_sum = wrap_data_iterator(
         no_data(model_config) if iterator is None else iterator,
         model_config,

@@ -28,7 +28,7 @@ import packing
 from mcore_compat import pins
 from mcore_compat.adapters import UnsupportedAdapter
 from mcore_compat.generations import SCHEDULER_MODULE
-from tests.fake_mcore import g1, g7, installed, m3
+from tests.fake_mcore import g1, g7, installed, m3, sample
 
 FAKE_PINS = {"G1": g1, "G8": g7, "M3": m3}
 SEVEN = ("tokens", "labels", "loss_mask", None, "position_ids")
@@ -327,7 +327,8 @@ def test_a_stand_in_scheduler_module_is_honoured_and_then_forgotten(
         refusal = packing.probe_global_batch_packing_support("custom_scheduler")
         assert refusal is not None and "custom_scheduler" in refusal and "dp_balanced" in refusal
 
-        wrapped = packing.wrap_data_iterator_for_global_batch_packing(iter([]), model(), 1, pgc())
+        # Deliberate difference: mcore-compat checks the step's samples before the pin's scheduler sees them.
+        wrapped = packing.wrap_data_iterator_for_global_batch_packing(iter([sample(0, 8)]), model(), 1, pgc())
         batch = packing.get_batch_for_global_batch_packing(wrapped[0], model(), pg_collection=pgc(), vp_stage=None)
 
         assert wrapped[1:] == (1, 8.0, 64.0) and list(wrapped[0]) == ["packed"]

@@ -182,8 +182,10 @@ def test_wrap_passes_iterator_only_where_data_lives(
     result = packing.wrap_data_iterator_for_global_batch_packing(given, config, len(LENGTHS), pgc)
 
     [call] = fake_mcore.calls["wrap_data_iterator"]
-    if owns:
-        assert call.bound["data_iterator"] is given
+    if owns:  # the checked samples, replayed after every rank agreed on them (one iterator per virtual stage)
+        replayed = call.bound["data_iterator"]
+        assert replayed is not given and replayed is not None
+        assert isinstance(replayed, list) == (vpp_size is not None)
     else:
         assert call.bound["data_iterator"] == (None if vpp_size is None else [None] * vpp_size)
     assert call.bound["config"] is config

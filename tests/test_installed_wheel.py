@@ -19,7 +19,6 @@ from mcore_compat import pins
 
 WHEEL_PYTHON = os.environ.get("MCORE_COMPAT_WHEEL_PYTHON")
 ROOT = Path(__file__).resolve().parents[1]
-OLD_REMEDY = "scripts/switch_mcore.sh"
 
 pytestmark = pytest.mark.skipif(
     WHEEL_PYTHON is None,
@@ -63,7 +62,9 @@ def installed(outside: Path) -> dict[str, Any]:
 
 def test_the_packages_come_from_the_installed_wheel(installed: dict[str, Any]) -> None:
     for module in installed["packages"]:
-        assert "site-packages" in Path(module).parts and not Path(module).is_relative_to(ROOT), module
+        path = Path(module)
+        in_checkout = any(path.is_relative_to(ROOT / package) for package in ("mcore_compat", "packing"))
+        assert "site-packages" in path.parts and not in_checkout, module
 
 
 def test_version(installed: dict[str, Any], outside: Path) -> None:
@@ -107,18 +108,19 @@ def test_doctor_names_the_versions_and_the_pin(installed: dict[str, Any], doctor
     assert doctor["pin"] == (pin.name if pin else "custom")
 
 
-def _xfail_if_old_remedy(text: str) -> None:
-    if OLD_REMEDY in text:
-        pytest.xfail(f"the refusal still names {OLD_REMEDY} (the adapters' `mcore-compat pin` remedy is not in)")
-
-
-def test_a_refusal_names_the_pin_command(doctor: dict[str, Any]) -> None:
-    reasons = [row["reason"] for row in doctor["schedulers"] if row["reason"]]
-    assert reasons, "the release refuses nothing; pick a pin that refuses dynamic CP"
-    remedies = [reason for reason in reasons if "mcore-compat pin " in reason]
-    if not remedies:
-        _xfail_if_old_remedy(" ".join(reasons))
-    assert remedies, reasons
+def test_a_refusal_names_the_pin_command(outside: Path) -> None:
+    """A model the release cannot run on dynamic CP groups (multi-latent attention) is told which pin can."""
+    reason = _python(
+        outside,
+        "import json, packing\n"
+        "from types import SimpleNamespace\n"
+        "from mcore_compat import detect\n"
+        "from mcore_compat.model_support import dynamic_cp_model_refusal\n"
+        "packing.enable_dynamic_cp_model_support()\n"
+        "config = SimpleNamespace(multi_latent_attention=True)\n"
+        "print(json.dumps(dynamic_cp_model_refusal(detect(), config)))",
+    )
+    assert reason and "`mcore-compat pin " in reason, reason
 
 
 def test_a_misspelt_scheduler_gets_the_spelling_and_no_pin_advice(outside: Path) -> None:
@@ -128,6 +130,4 @@ def test_a_misspelt_scheduler_gets_the_spelling_and_no_pin_advice(outside: Path)
         "print(json.dumps(packing.probe_global_batch_packing_support('dp_balnced', dynamic_cp=False)))",
     )
     assert reason and "'dp_balanced'" in reason, reason
-    if "pin" in reason:
-        _xfail_if_old_remedy(reason)
     assert "pin" not in reason, reason

@@ -117,6 +117,21 @@ class NativeSchedulerAdapter(PackingAdapter):
         """
         if self._config_runs_portably(model_config):
             return self._portable().wrap(data_iterator, model_config, num_microbatches, pg_collection)
+        iterator = self.checked_iterator(data_iterator, model_config, num_microbatches, pg_collection)
+        packed, count, seqlen_sum, seqlen_squared_sum = self._wrap(
+            iterator, model_config, num_microbatches, pg_collection=pg_collection
+        )
+        self._packed_count = int(count)
+        return WrapResult(packed, int(count), float(seqlen_sum), float(seqlen_squared_sum))
+
+    def checked_iterator(self, data_iterator: Any, model_config: Any, num_microbatches: int, pg_collection: Any) -> Any:
+        """What MCore's ``wrap_data_iterator`` gets on this rank, after every rank agreed on the step's samples.
+
+        Checks the settings, pulls and checks this step's samples on the data-loading ranks, agrees on one
+        verdict over the world (raising the same error everywhere, or continuing everywhere), and returns a
+        replaying iterator with the checked items (converted to the sample form the pin reads), or the
+        no-data argument on ranks that load none.
+        """
         self._check_runtime_config(model_config)
         self.require_runnable(model_config)
         dynamic_cp = self.dynamic_cp_enabled(model_config)
@@ -137,11 +152,7 @@ class NativeSchedulerAdapter(PackingAdapter):
             items = convert_items(batch.items, self._sample_forms())
             replay = itertools.chain(items, source or ())
             iterator = replay if position is None else _replace(data_iterator, position, replay)
-        packed, count, seqlen_sum, seqlen_squared_sum = self._wrap(
-            iterator, model_config, num_microbatches, pg_collection=pg_collection
-        )
-        self._packed_count = int(count)
-        return WrapResult(packed, int(count), float(seqlen_sum), float(seqlen_squared_sum))
+        return iterator
 
     def _check_runtime_config(self, model_config: Any) -> None:
         """Strict flags and the fields this pin's scheduler reads, identical on every rank."""

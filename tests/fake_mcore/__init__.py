@@ -104,6 +104,19 @@ def packing_config(
     )
 
 
+def _unpack(raw: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """A pre-packed sample (``cu_seqlens``) split into its sequences, as MCore's scheduler does; others as given."""
+    if "cu_seqlens" not in raw:
+        return [raw]
+    bounds = raw["cu_seqlens"].tolist()
+    parts = []
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        part = {key: raw[key][start:end] for key in PACKED_DATA_KEYS}
+        part["original_seq_len"] = part["padded_seq_len"] = torch.tensor([end - start], dtype=torch.int32)
+        parts.append(part)
+    return parts
+
+
 def sample(sample_id: int, length: int) -> dict[str, torch.Tensor]:
     """One unpacked sample with the six keys the scheduler requires; its tokens carry its id."""
     return {
@@ -251,7 +264,8 @@ class FakeMCore:
         samples: list[dict[str, torch.Tensor]] = []
         for _ in range(num_microbatches):
             item = next(data_iterator)
-            samples.extend(item if isinstance(item, list) else [item])
+            for raw in item if isinstance(item, list) else [item]:
+                samples.extend(_unpack(raw))
         for s in samples:
             assert set(REQUIRED_SAMPLE_KEYS) <= set(s), f"Batch missing required keys, provided keys: {s.keys()}"
         self.packed = [samples[i : i + 2] for i in range(0, len(samples), 2)]
