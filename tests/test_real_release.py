@@ -113,7 +113,9 @@ def test_doctor_json_names_the_versions_and_the_pin(report: dict) -> None:
     assert PIN is not None
     assert report["pin"] == PIN.name
     assert report["versions"]["megatron_core"] == RELEASE
-    assert report["versions"]["torch"] == importlib.metadata.version("torch")
+    torch_version = report["versions"]["torch"]  # torch.__version__: CUDA builds add the build tag (2.14.1+cu130)
+    assert torch_version.split("+")[0] == importlib.metadata.version("torch").split("+")[0]
+    assert torch_version == str(importlib.import_module("torch").__version__)
     assert report["versions"]["python"] == platform.python_version()
 
 

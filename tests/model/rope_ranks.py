@@ -121,7 +121,8 @@ def reference_on_rank(rank: int, world_size: int) -> dict[str, Any]:
             query, key = module.core_attention.seen.pop()
             rotated.append((query[:, 0], key[:, 0]))
         weights = {k: v.clone() for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)}
-        return {"state_dict": weights, "rotated": rotated}
+        fields = importlib.import_module("megatron.core.packed_seq_params").PackedSeqParams.__dataclass_fields__
+        return {"state_dict": weights, "rotated": rotated, "dynamic_cp": "local_cp_size" in fields}
 
 
 def _dynamic_group(size: int, members: tuple[int, ...]) -> Any:
