@@ -86,6 +86,7 @@ CONFIG_DEFAULTS: dict[str, Any] = {
     "ddp.use_megatron_fsdp": False,
     "dist.use_decentralized_pg": False,
 }
+_FLAGS = tuple(field for field, default in CONFIG_DEFAULTS.items() if default is False)
 _OTHER_PACKING_MODES = (
     ("dataset.enable_offline_packing", "offline", False),
     ("dataset.enable_in_batch_packing", "in-batch", False),
@@ -123,6 +124,14 @@ def _positive_int(cfg: Any, field: str, what: str) -> int | None:
     if value is not None and not _is_positive_int(value):
         raise _invalid(field, value, f"set it to a positive int ({what})")
     return value
+
+
+def _check_flags(cfg: Any) -> None:
+    """Every on/off field must be a bool: ``"false"`` and ``1`` are truthy and would silently switch things."""
+    for field in _FLAGS:
+        value = _get(cfg, field)
+        if not isinstance(value, bool):
+            raise _invalid(field, value, f"set it to True or False (a bool: {value!r} is not read as one)")
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -330,7 +339,10 @@ def validate_global_batch_packing(cfg: Any) -> bool:
     Raises ``PackingConfigError`` for a broken rule and ``UnsupportedPinError`` when the probe refuses.
     """
     scheduler = _get(cfg, "model.sequence_packing_scheduler")
-    if not _get(cfg, "dataset.enable_global_batch_packing"):
+    enabled = _get(cfg, "dataset.enable_global_batch_packing")
+    if not isinstance(enabled, bool):
+        raise _invalid("dataset.enable_global_batch_packing", enabled, "set it to True or False (a bool)")
+    if not enabled:
         if scheduler is not None:
             raise _invalid(
                 "model.sequence_packing_scheduler",
@@ -341,6 +353,7 @@ def validate_global_batch_packing(cfg: Any) -> bool:
         return False
 
     _check_model(cfg)
+    _check_flags(cfg)
     _check_exclusive_modes(cfg)
     _check_dataset(cfg)
     layout = _layout(cfg)
@@ -359,7 +372,7 @@ def validate_global_batch_packing(cfg: Any) -> bool:
         dp=layout.dp or 1,
         cp=layout.cp,
         tp=layout.tp,
-        sequence_parallel=bool(_get(cfg, "model.sequence_parallel")),
+        sequence_parallel=_get(cfg, "model.sequence_parallel"),
     )
     if data_seq % multiple:
         raise _invalid(

@@ -159,6 +159,37 @@ def test_packing_off_checks_nothing_and_writes_nothing(cfg: SimpleNamespace, pro
 
 BAD = [
     # name, overrides, fragments (the first is always ``field=value``)
+    # 0. on/off fields are bools: a string or an int would be read as truthy
+    (
+        "packing-string",
+        {"dataset.enable_global_batch_packing": "false"},
+        ["dataset.enable_global_batch_packing='false'", "set it to True or False"],
+    ),
+    (
+        "packing-int",
+        {"dataset.enable_global_batch_packing": 1},
+        ["dataset.enable_global_batch_packing=1", "set it to True or False"],
+    ),
+    (
+        "sequence-parallel-string",
+        {"model.sequence_parallel": "False"},
+        ["model.sequence_parallel='False'", "set it to True or False"],
+    ),
+    (
+        "per-token-loss-int",
+        {"model.calculate_per_token_loss": 1},
+        ["model.calculate_per_token_loss=1", "set it to True or False"],
+    ),
+    (
+        "unpacked-string",
+        {"dataset.yields_unpacked_samples": "true"},
+        ["dataset.yields_unpacked_samples='true'", "set it to True or False"],
+    ),
+    (
+        "dynamic-cp-string",
+        {"model.dynamic_context_parallel": "yes"},
+        ["model.dynamic_context_parallel='yes'", "set it to True or False"],
+    ),
     # 1. global-batch packing excludes offline, in-batch and Energon packing
     (
         "offline",
