@@ -35,6 +35,7 @@ from mcore_compat.adapters.base import DYNAMIC_CP_SCHEDULERS, PackedBatch, Packi
 from mcore_compat.agreement import agree
 from mcore_compat.capabilities import Capabilities
 from mcore_compat.contract import LocalBatch, read_step
+from mcore_compat.errors import PackingConfigError
 from mcore_compat.generations import DYNAMIC_CP_PIN
 from mcore_compat.portable import exchange
 from mcore_compat.portable.errors import (
@@ -92,7 +93,7 @@ def read_settings(model_config: Any) -> Settings:
     """Read and check the config (identical on every rank, so raising here cannot strand a peer)."""
     capacity = getattr(model_config, "max_seqlen_per_dp_cp_rank", None)
     if not _positive_int(capacity):
-        raise ValueError(
+        raise PackingConfigError(
             f"model_config.max_seqlen_per_dp_cp_rank={capacity!r}: set it to the positive number of padded "
             "tokens one DP x CP rank holds per microbatch (bins hold that times the context-parallel size)"
         )
