@@ -133,10 +133,10 @@ class NativeSchedulerAdapter(PackingAdapter):
         no-data argument on ranks that load none.
         """
         self._check_runtime_config(model_config)
-        self.require_runnable(model_config)
         dynamic_cp = self.dynamic_cp_enabled(model_config)
         if dynamic_cp:
             runtime.check_min_dynamic_cp_size(model_config, pg_collection.dp_cp.size())
+        self.require_runnable(model_config)
         limits = runtime.step_limits(model_config, pg_collection, dynamic_cp)
         self._fetched, self._packed_count = {}, None
         batch: LocalBatch | None = None

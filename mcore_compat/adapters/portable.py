@@ -193,6 +193,8 @@ class PortableAdapter(PackingAdapter):
     def wrap(self, data_iterator: Any, model_config: Any, num_microbatches: int, pg_collection: Any) -> WrapResult:
         runtime.check_dynamic_cp_flags(model_config)
         runtime.scheduler_name(model_config)
+        if self.dynamic_cp_enabled(model_config):
+            runtime.check_min_dynamic_cp_size(model_config, pg_collection.dp_cp.size())
         self.require_runnable(model_config)
         settings = read_settings(model_config)
         if self.dynamic_cp_enabled(model_config):

@@ -1,0 +1,230 @@
+"""What each gloo rank runs in the bad-input suite (module-level, so spawn can pickle it).
+
+One process group per layout plays every :class:`BadInput` in turn through the ``packing`` facade on
+whichever backend the pin selects; each rank records what ``wrap`` (and, when it succeeded, the
+fetches) raised, with the wall time, and the ranks meet at a barrier after every case so a rank left
+inside a collective would show up as a timeout of the whole group.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mcore_compat.errors import BadSampleError, PackingConfigError
+from mcore_compat.testing import Case, Layout, cpu_patches, model_config
+from mcore_compat.testing.runner import mpu_pg_collection
+
+
+@dataclass(frozen=True)
+class BadInput:
+    """One defect: ``mutation`` of item ``index`` (every item when -1) on DP rank ``dp_rank`` (every DP rank when None).
+
+    ``config`` overrides model-config fields on every rank (``drop`` removes them); ``num_microbatches``
+    overrides it on the ranks ``dp_rank`` names; ``extra_fetch`` fetches once past the last microbatch.
+    """
+
+    name: str
+    mutation: str | None = None
+    dp_rank: int | None = 1
+    index: int = 1
+    config: tuple[tuple[str, Any], ...] = ()
+    drop: tuple[str, ...] = ()
+    num_microbatches: int | None = None
+    extra_fetch: bool = False
+    cp_rank: int | None = None
+    layouts: tuple[str, ...] = ()
+    """Only these layouts (``str(Layout)``); all when empty."""
+
+
+def _per_token(sample: dict, fn: Callable[[torch.Tensor], torch.Tensor], keys: Sequence[str]) -> dict:
+    return {k: (fn(v) if k in keys else v) for k, v in sample.items()}
+
+
+def _lengths(sample: dict, original: Any = None, padded: Any = None) -> dict:
+    out = dict(sample)
+    if original is not None:
+        out["original_seq_len"] = original
+    if padded is not None:
+        out["padded_seq_len"] = padded
+    return out
+
+
+def _oversize(sample: dict, capacity: int) -> dict:
+    long = dict(sample)
+    for key in ("tokens", "labels", "position_ids"):
+        long[key] = torch.arange(capacity, dtype=torch.int64)
+    long["loss_mask"] = torch.ones(capacity)
+    long["original_seq_len"] = long["padded_seq_len"] = torch.tensor([capacity], dtype=torch.int32)
+    return long
+
+
+def _prepacked_decreasing(sample: dict) -> dict:
+    out = {k: v for k, v in sample.items() if not k.endswith("seq_len")}
+    n = int(sample["padded_seq_len"])
+    out["cu_seqlens"] = torch.tensor([0, n, n - 1 if n > 1 else 0, n], dtype=torch.int32)
+    return out
+
+
+def mutate(name: str, item: Any, capacity: int, align: int) -> Any:
+    """The item with defect ``name`` (the item is one unpacked sample dict)."""
+    s = item
+    n = int(s["padded_seq_len"]) if isinstance(s, dict) and "padded_seq_len" in s else 0
+    table: dict[str, Callable[[], Any]] = {
+        "drop_labels": lambda: {k: v for k, v in s.items() if k != "labels"},
+        "drop_lengths": lambda: {k: v for k, v in s.items() if not k.endswith("seq_len")},
+        "short_labels": lambda: {**s, "labels": s["labels"][:-1]},
+        "lying_padded": lambda: _lengths(s, padded=torch.tensor([n + align], dtype=torch.int32)),
+        "negative_original": lambda: _lengths(s, original=torch.tensor([-3], dtype=torch.int32)),
+        "negative_padded": lambda: _lengths(s, padded=torch.tensor([-4], dtype=torch.int32)),
+        "original_above_padded": lambda: _lengths(s, original=torch.tensor([n + 1], dtype=torch.int32)),
+        "original_zero": lambda: _lengths(s, original=torch.tensor([0], dtype=torch.int32)),
+        "nan_length": lambda: _lengths(s, padded=torch.tensor([float("nan")])),
+        "float_length": lambda: _lengths(s, padded=torch.tensor([float(n)])),
+        "float_original": lambda: _lengths(s, original=torch.tensor([n - 0.5])),
+        "python_int_length": lambda: _lengths(s, padded=n),
+        "scalar_length": lambda: _lengths(s, padded=torch.tensor(n, dtype=torch.int32)),
+        "two_lengths": lambda: _lengths(s, padded=torch.tensor([n, n], dtype=torch.int32)),
+        "bool_length": lambda: _lengths(s, padded=torch.tensor([True])),
+        "string": lambda: "not a sample",
+        "none_item": lambda: None,
+        "empty_list": lambda: [],
+        "list_with_string": lambda: [s, "x"],
+        "tokens_int32": lambda: _per_token(s, lambda v: v.int(), ("tokens",)),
+        "loss_mask_bool": lambda: _per_token(s, lambda v: v.bool(), ("loss_mask",)),
+        "tokens_list": lambda: {**s, "tokens": s["tokens"].tolist()},
+        "tokens_2d": lambda: {**s, "tokens": s["tokens"].reshape(-1, 1).expand(-1, 2).contiguous()},
+        "zero_positions": lambda: {**s, "position_ids": torch.zeros_like(s["position_ids"])},
+        "shifted_positions": lambda: {**s, "position_ids": s["position_ids"] + 1},
+        "both_forms": lambda: {**s, "cu_seqlens": torch.tensor([0, n], dtype=torch.int32)},
+        "cu_decreasing": lambda: _prepacked_decreasing(s),
+        "oversize": lambda: _oversize(s, capacity + align),
+        "misaligned": lambda: _oversize(s, capacity - 1),
+    }
+    return table[name]()
+
+
+class _Mutated(Iterator[Any]):
+    def __init__(self, source: Iterator[Any], index: int, fn: Callable[[Any], Any]) -> None:
+        self._source, self._index, self._fn, self._pulled = source, index, fn, 0
+
+    def __next__(self) -> Any:
+        item = next(self._source)
+        self._pulled += 1
+        return self._fn(item) if self._index in (-1, self._pulled - 1) else item
+
+
+class _Raising(Iterator[Any]):
+    def __init__(self, source: Iterator[Any], index: int) -> None:
+        self._source, self._index, self._pulled = source, index, 0
+
+    def __next__(self) -> Any:
+        if self._pulled == self._index:
+            raise KeyError("dataset bug")
+        self._pulled += 1
+        return next(self._source)
+
+
+def _source(case: Case, bad: BadInput, pg: Any) -> Iterator[Any] | None:
+    if pg.tp.rank() != 0:
+        return None
+    dp_rank = pg.dp.rank()
+    source = case.sample_spec.source(0, dp_rank)
+    hit = (bad.dp_rank is None or bad.dp_rank == dp_rank) and (bad.cp_rank is None or bad.cp_rank == pg.cp.rank())
+    if not hit or bad.mutation is None:
+        return source
+    if bad.mutation == "exhausted":
+        return iter([next(source) for _ in range(bad.index)])
+    if bad.mutation == "raising":
+        return _Raising(source, bad.index)
+    capacity = case.max_seqlen_per_dp_cp_rank * case.layout.cp
+    align = case.sample_spec.multiple
+    return _Mutated(source, bad.index, lambda item: mutate(bad.mutation, item, capacity, align))  # type: ignore[arg-type]
+
+
+@dataclass
+class Outcome:
+    """What one rank saw for one case."""
+
+    name: str
+    rank: int
+    kind: str
+    message: str
+    bad_sample_error: bool = False
+    config_error: bool = False
+    seconds: float = 0.0
+    microbatches: int = 0
+    fetch: tuple[str, str] = ("skipped", "")
+    tokens: list[list[int]] = field(default_factory=list)
+
+
+def _config(case: Case, bad: BadInput) -> SimpleNamespace:
+    config = model_config(case)
+    for key, value in bad.config:
+        setattr(config, key, value)
+    for key in bad.drop:
+        delattr(config, key)
+    return config
+
+
+def _run(bad: BadInput, case: Case, pg: Any, rank: int) -> Outcome:
+    import packing
+
+    config = _config(case, bad)
+    num_microbatches = case.num_microbatches
+    if bad.num_microbatches is not None and (bad.dp_rank is None or bad.dp_rank == pg.dp.rank()):
+        num_microbatches = bad.num_microbatches
+    source = _source(case, bad, pg)
+    start = time.perf_counter()
+    outcome = Outcome(bad.name, rank, "ok", "")
+    try:
+        packed, count, _, _ = packing.wrap_data_iterator_for_global_batch_packing(source, config, num_microbatches, pg)
+        outcome.microbatches = count
+        for _ in range(count):
+            batch = packing.get_batch_for_global_batch_packing(packed, config, pg_collection=pg, vp_stage=None)
+            if batch[0] is not None:
+                outcome.tokens.append(batch[0].reshape(-1).tolist())
+    except BaseException as exc:  # noqa: BLE001 - the test compares what every rank raised
+        outcome.kind, outcome.message = type(exc).__name__, str(exc)
+        outcome.bad_sample_error = isinstance(exc, BadSampleError)
+        outcome.config_error = isinstance(exc, PackingConfigError)
+    outcome.seconds = time.perf_counter() - start
+    if outcome.kind == "ok" and bad.extra_fetch:
+        try:
+            packing.get_batch_for_global_batch_packing(packed, config, pg_collection=pg, vp_stage=None)
+            outcome.fetch = ("ok", "")
+        except BaseException as exc:  # noqa: BLE001
+            outcome.fetch = (type(exc).__name__, str(exc))
+    return outcome
+
+
+def bad_inputs_on_rank(
+    rank: int, world_size: int, layout: Layout, cases: Sequence[BadInput], base: dict[str, Any]
+) -> dict[str, Any]:
+    """Every case on this rank for one layout, in one process group; also reports the backend."""
+    from mcore_compat import adapter
+
+    case = Case(layout, steps=1, **base)
+    outcomes = []
+    with cpu_patches(context_parallel=layout.cp > 1, dynamic_cp=True):
+        state = importlib.import_module("megatron.core.parallel_state")
+        state.initialize_model_parallel(
+            tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=1, context_parallel_size=layout.cp
+        )
+        try:
+            pg = mpu_pg_collection()
+            for bad in cases:
+                if bad.layouts and str(layout) not in bad.layouts:
+                    continue
+                outcomes.append(_run(bad, case, pg, rank))
+                dist.barrier()
+        finally:
+            state.destroy_model_parallel()
+    return {"backend": adapter().backend, "generation": adapter().capabilities.generation, "outcomes": outcomes}

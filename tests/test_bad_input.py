@@ -1,0 +1,148 @@
+"""Bad input raises the same clear error on every rank, within seconds, on the native and portable backends.
+
+Runs on whichever Megatron-Core the session has (``$MCORE_SRC``: a dev or main tree, native
+scheduler; else the installed release: portable backend). One gloo process group of 4 ranks per
+layout plays every case; the collective timeout is short, so a rank left inside a collective fails the
+whole run (with every rank's stack) instead of passing. Heavy: run under the shared lock.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from mcore_compat.testing import Layout, launch, locate_mcore
+from tests.bad_input_ranks import BadInput, bad_inputs_on_rank
+
+SYS_PATH, NO_MCORE = locate_mcore()
+pytestmark = pytest.mark.skipif(NO_MCORE is not None, reason=NO_MCORE or "")
+
+LAYOUTS = (Layout(1, 2, 2), Layout(1, 1, 4), Layout(2, 1, 2))
+BASE = {"num_microbatches": 4, "max_seqlen_per_dp_cp_rank": 32}
+SECONDS = 10.0
+DYNAMIC = (("dynamic_context_parallel", True), ("sequence_packing_scheduler", "default_dynamic_cp"))
+
+BAD = "BadSampleError"
+CONFIG = "PackingConfigError"
+
+# (case, expected: BAD / CONFIG / "StopIteration" / "ValueError" / "ok", fragments every message must hold)
+CASES: list[tuple[BadInput, str, tuple[str, ...]]] = [
+    (BadInput("missing key", "drop_labels"), BAD, ("DP rank 1", "sample 1", "'labels'", "need")),
+    (BadInput("missing lengths", "drop_lengths", dp_rank=0), BAD, ("DP rank 0", "'padded_seq_len'")),
+    (BadInput("tokens/labels mismatch", "short_labels"), BAD, ("'labels' holds", "padded length")),
+    (BadInput("lying padded length", "lying_padded"), BAD, ("'tokens' holds", "padded length")),
+    (BadInput("negative original", "negative_original"), BAD, ("original_seq_len=-3", "real token count")),
+    (BadInput("negative padded", "negative_padded", dp_rank=1), BAD, ("padded_seq_len=-4", "drop empty")),
+    (BadInput("original above padded", "original_above_padded"), BAD, ("original_seq_len=", "at most padded")),
+    (BadInput("original zero", "original_zero", index=0), BAD, ("original_seq_len=0", "at least 1")),
+    (BadInput("NaN length", "nan_length"), BAD, ("'padded_seq_len'", "NaN", "integer tensor")),
+    (BadInput("float length", "float_length"), BAD, ("'padded_seq_len'", "torch.float32", "integer tensor")),
+    (BadInput("float original", "float_original"), BAD, ("'original_seq_len'", "integer tensor")),
+    (BadInput("python int length", "python_int_length"), BAD, ("Python int", "shape [1]")),
+    (BadInput("0-d length", "scalar_length"), BAD, ("'padded_seq_len'", "shape [1]")),
+    (BadInput("two-element length", "two_lengths"), BAD, ("'padded_seq_len'", "shape [1]")),
+    (BadInput("bool length", "bool_length"), BAD, ("'padded_seq_len'", "integer tensor")),
+    (BadInput("non-dict item", "string", index=2), BAD, ("item 2", "DP rank 1", "identity collate")),
+    (BadInput("None item", "none_item", dp_rank=0, index=0), BAD, ("item 0", "DP rank 0")),
+    (BadInput("empty list item", "empty_list"), BAD, ("item 1", "list of dicts")),
+    (BadInput("list with a string", "list_with_string"), BAD, ("item 1", "list of dicts")),
+    (BadInput("tokens int32", "tokens_int32"), BAD, ("'tokens'", "torch.int32", "torch.int64")),
+    (BadInput("loss_mask bool", "loss_mask_bool"), BAD, ("'loss_mask'", "torch.bool", "torch.float32")),
+    (BadInput("tokens a list", "tokens_list"), BAD, ("'tokens'", "torch.Tensor")),
+    (BadInput("tokens 2-D", "tokens_2d"), BAD, ("'tokens'", "dimensions", "1-D")),
+    (BadInput("zero position_ids", "zero_positions"), BAD, ("position_ids[1]=0", "torch.arange")),
+    (BadInput("shifted position_ids", "shifted_positions", dp_rank=0), BAD, ("position_ids[0]=1", "DP rank 0")),
+    (BadInput("both forms", "both_forms"), BAD, ("mixes sample forms", "exactly one")),
+    (
+        BadInput("cu_seqlens decreasing", "cu_decreasing", index=-1),
+        BAD,
+        ("'cu_seqlens'", "decreases", "never decreasing"),
+    ),
+    (BadInput("oversize on one rank", "oversize", dp_rank=0, index=3), BAD, ("exceeds the bin capacity", "sample 3")),
+    (
+        BadInput("misaligned", "misaligned", layouts=("1x2x2",)),
+        BAD,
+        ("padded_seq_len=63", "not a multiple of 4", "pad samples"),
+    ),
+    (BadInput("one rank exhausted", "exhausted", index=2), BAD, ("DP rank 1", "StopIteration after 2", "size the")),
+    (BadInput("every rank exhausted", "exhausted", dp_rank=None, index=0), "StopIteration", ("exhausted on every",)),
+    (BadInput("iterator raises", "raising", dp_rank=0, index=1), BAD, ("DP rank 0", "raised an exception", "fix")),
+    (BadInput("num_microbatches differs", num_microbatches=3), BAD, ("num_microbatches differs", "passed 3")),
+    (BadInput("num_microbatches zero", num_microbatches=0, dp_rank=None), "ValueError", ("num_microbatches=0",)),
+    (
+        BadInput("capacity None", config=(("max_seqlen_per_dp_cp_rank", None),)),
+        CONFIG,
+        ("max_seqlen_per_dp_cp_rank=None",),
+    ),
+    (BadInput("capacity float", config=(("max_seqlen_per_dp_cp_rank", 32.0),)), CONFIG, ("=32.0", "positive int")),
+    (
+        BadInput("dynamic CP = 1", config=(("dynamic_context_parallel", 1),)),
+        CONFIG,
+        ("dynamic_context_parallel=1", "bool"),
+    ),
+    (
+        BadInput("dynamic CP = 'yes'", config=(("dynamic_context_parallel", "yes"),)),
+        CONFIG,
+        ("dynamic_context_parallel='yes'", "True or False"),
+    ),
+    (
+        BadInput("min dynamic CP size 3", config=(*DYNAMIC, ("min_dynamic_context_parallel_size", 3))),
+        CONFIG,
+        ("min_dynamic_context_parallel_size=3", "power of two"),
+    ),
+    (
+        BadInput("scheduler misspelt", config=(("sequence_packing_scheduler", "DP_BALANCED"),)),
+        "ValueError",
+        ("'DP_BALANCED'", "dp_balanced"),
+    ),
+    (BadInput("scheduler None", config=(("sequence_packing_scheduler", None),)), CONFIG, ("scheduler name",)),
+    (BadInput("extra fetch", extra_fetch=True), "ok", ()),
+    (BadInput("good input", dp_rank=None), "ok", ()),
+]
+
+
+@pytest.fixture(scope="module", params=LAYOUTS, ids=str)
+def outcomes(request: pytest.FixtureRequest) -> dict:
+    layout = request.param
+    cases = [case for case, _, _ in CASES]
+    per_rank = launch(bad_inputs_on_rank, 4, args=(layout, cases, BASE), sys_path=SYS_PATH, timeout=240, pg_timeout=20)
+    runs: dict[str, list] = {}
+    for rank_result in per_rank:
+        for outcome in rank_result["outcomes"]:
+            runs.setdefault(outcome.name, []).append(outcome)
+    return {"layout": str(layout), "backend": per_rank[0]["backend"], "runs": runs}
+
+
+@pytest.mark.parametrize(("case", "expected", "fragments"), CASES, ids=[c.name for c, _, _ in CASES])
+def test_every_rank_raises_the_same_clear_error(outcomes: dict, case: BadInput, expected: str, fragments: tuple):
+    if case.layouts and outcomes["layout"] not in case.layouts:
+        pytest.skip(f"{case.name} needs layout {case.layouts}")
+    ranks = outcomes["runs"][case.name]
+    assert len(ranks) == 4
+    seen = {(o.kind, o.message) for o in ranks}
+    assert len(seen) == 1, f"ranks disagree on {outcomes['backend']}: {seen}"
+    ((kind, message),) = seen
+    if expected == BAD:
+        assert all(o.bad_sample_error for o in ranks), (kind, message)
+    elif expected == CONFIG:
+        assert all(o.config_error for o in ranks), (kind, message)
+    elif expected == "ValueError":
+        assert isinstance(kind, str) and kind.endswith("Error") and kind != "RuntimeError", (kind, message)
+    else:
+        assert kind == expected, message
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in: {message}"
+    assert max(o.seconds for o in ranks) < SECONDS
+
+
+def test_a_fetch_after_the_last_microbatch_raises_stop_iteration_on_every_rank(outcomes: dict):
+    ranks = outcomes["runs"]["extra fetch"]
+    fetches = {o.fetch for o in ranks}
+    assert len(fetches) == 1, fetches
+    ((kind, message),) = fetches
+    assert kind == "StopIteration"
+    assert "get_batch was called more often" in message
+
+
+def test_good_input_after_bad_input_runs(outcomes: dict):
+    ranks = outcomes["runs"]["good input"]
+    assert {o.microbatches for o in ranks} != {0}
