@@ -1,4 +1,5 @@
-"""Collectives and wall time per packing step: the portable backend against Megatron-Core's native ``dp_balanced``.
+"""Collectives and wall time per packing step: the portable backend against Megatron-Core's native ``dp_balanced``,
+and the cost of the facade's checks (the per-step agreement) on the native path.
 
 Runs 4 gloo ranks on CPU against the Megatron-LM checkout in ``$MCORE_SRC`` (dev or main pin, which
 have the native scheduler). For each layout, every step feeds the same samples to both backends on
@@ -6,7 +7,9 @@ the same process groups, one after the other: ``wrap`` then one fetch per return
 "packing step"). It prints, from this one run: the collectives each backend issued on rank 0 per
 step (counted by wrapping the ``torch.distributed`` functions inside the ranks), the step wall time
 (slowest rank, mean over the steps after the first) and the ratio portable/native, and whether
-both backends returned identical microbatches on every rank.
+both backends returned identical microbatches on every rank. ``unchecked`` runs the same native
+step on MCore's own ``wrap_data_iterator`` without the facade's checks and agreement: the extra
+collectives and the checked/unchecked wall-time ratio are the cost of never stranding a rank.
 
     MCORE_SRC=path/to/Megatron-LM python benchmarks/portable_vs_native.py [--layouts 1x2x2,2x1x2] [--samples 32]
 """
@@ -106,6 +109,23 @@ def _packing_step(adapter: Any, spec: SampleSpec, case: Case, step: int, pg: Any
     return count, fetched
 
 
+def _unchecked_step(adapter: Any, spec: SampleSpec, case: Case, step: int, pg: Any, config: Any) -> tuple[int, list]:
+    """The native step without the facade's checks: MCore's own ``wrap_data_iterator`` on the raw samples."""
+    wrap, _ = adapter.scheduler_api()
+    source = spec.source(step, pg.dp.rank()) if pg.tp.rank() == 0 else None
+    packed, count, _, _ = wrap(source, config, case.num_microbatches, pg_collection=pg)
+    fetched = [adapter.get_batch(packed, config, pg_collection=pg, vp_stage=None) for _ in range(int(count))]
+    return int(count), fetched
+
+
+STEPS: dict[str, Callable[..., tuple[int, list]]] = {
+    "native": _packing_step,
+    "unchecked": _unchecked_step,
+    "portable": _packing_step,
+}
+"""Per backend, how one packing step runs; ``unchecked`` is the native path without the agreement and checks."""
+
+
 def _same(a: Sequence[tuple], b: Sequence[tuple]) -> bool:
     def tensors(batch: tuple) -> list[Any]:
         params = batch[5]
@@ -134,7 +154,8 @@ def bench_on_rank(rank: int, world_size: int, cases: Sequence[Case], long_fracti
             with model_parallel(case):
                 pg, config = mpu_pg_collection(), model_config(case)
                 spec = dataclasses.replace(case.sample_spec, long_fraction=long_fraction)
-                backends = {"native": native, "portable": PortableAdapter(detect())}
+                unchecked = select_adapter(detect())  # its own instance: never wraps, so it counts no fetches
+                backends = {"native": native, "unchecked": unchecked, "portable": PortableAdapter(detect())}
                 for step in range(case.steps):
                     record: dict[str, Any] = {"layout": str(case.layout), "step": step, "rank": rank}
                     outputs = {}
@@ -144,12 +165,13 @@ def bench_on_rank(rank: int, world_size: int, cases: Sequence[Case], long_fracti
                         counter.install()
                         start = time.perf_counter()
                         try:
-                            count, outputs[name] = _packing_step(adapter, spec, case, step, pg, config)
+                            count, outputs[name] = STEPS[name](adapter, spec, case, step, pg, config)
                         finally:
                             elapsed = time.perf_counter() - start
                             counter.uninstall()
                         record[name] = {"counts": dict(counter.counts), "seconds": elapsed, "microbatches": count}
                     record["identical"] = _same(outputs["native"], outputs["portable"])
+                    record["checks_identical"] = _same(outputs["native"], outputs["unchecked"])
                     results.append(record)
     return results
 
@@ -202,7 +224,7 @@ def main() -> None:
         identical = all(r["identical"] for rank_records in records for r in rank_records)
         print(f"\nlayout tp x cp x dp = {label}: microbatches per step {[r['native']['microbatches'] for r in rank0]}")
         times = {}
-        for name in ("native", "portable"):
+        for name in STEPS:
             totals = [sum(r[name]["counts"].values()) for r in rank0]
             step_seconds = [max(records[k][s][name]["seconds"] for k in range(4)) for s in range(1, case.steps)]
             times[name] = statistics.mean(step_seconds)
@@ -215,6 +237,13 @@ def main() -> None:
         print(f"  collectives native/portable: {native_total / max(portable_total, 1e-9):.1f}x fewer with portable")
         print(f"  wall time portable/native:   {times['portable'] / times['native']:.2f}")
         print(f"  identical microbatches on every rank and step: {'yes' if identical else 'NO'}")
+        unchecked_total = statistics.mean(sum(r["unchecked"]["counts"].values()) for r in rank0)
+        same = all(r["checks_identical"] for rank_records in records for r in rank_records)
+        print(
+            f"  checks (agreement) cost: {native_total - unchecked_total:+.1f} collectives per step, "
+            f"wall time checked/unchecked {times['native'] / times['unchecked']:.3f}; "
+            f"same microbatches with and without checks: {'yes' if same else 'NO'}"
+        )
 
 
 def detect_label(sys_path: Sequence[str]) -> str:

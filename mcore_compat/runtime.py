@@ -17,6 +17,8 @@ from mcore_compat.errors import PackingConfigError
 __all__ = [
     "check_dynamic_cp_flags",
     "check_min_dynamic_cp_size",
+    "check_settings",
+    "max_seqlen_per_dp_cp_rank",
     "require_fields",
     "scheduler_name",
     "step_limits",
@@ -73,6 +75,31 @@ def check_min_dynamic_cp_size(model_config: Any, pool: int) -> int:
     return value
 
 
+def max_seqlen_per_dp_cp_rank(model_config: Any) -> int:
+    """The bin capacity per DP x CP rank: a positive int."""
+    capacity = getattr(model_config, "max_seqlen_per_dp_cp_rank", None)
+    if not _is_positive_int(capacity):
+        raise PackingConfigError(
+            f"model_config.max_seqlen_per_dp_cp_rank={capacity!r}: set it to a positive int, the number of padded "
+            "tokens one DP x CP rank holds per microbatch (bins hold that times the CP size, or the DP x CP pool "
+            "under dynamic CP)"
+        )
+    return int(capacity)
+
+
+def check_settings(model_config: Any, pool: int, dynamic_cp: bool) -> None:
+    """Every setting a step reads, before the pin is asked whether it can run them.
+
+    A config mistake is reported as one (naming the field and the fix) even where the pin would also
+    refuse: fix the config, then the pin. ``pool`` is the DP x CP size.
+    """
+    check_dynamic_cp_flags(model_config)
+    scheduler_name(model_config)
+    if dynamic_cp:
+        check_min_dynamic_cp_size(model_config, pool)
+    max_seqlen_per_dp_cp_rank(model_config)
+
+
 def require_fields(model_config: Any, fields: tuple[str, ...], why: str) -> None:
     """Each of ``fields`` exists on the config (None is a value), or raise naming the first missing one."""
     for name in fields:
@@ -89,12 +116,7 @@ def step_limits(model_config: Any, pg_collection: Any, dynamic_cp: bool) -> Limi
     Capacity is ``max_seqlen_per_dp_cp_rank`` times the CP size (static CP) or the DP x CP pool
     (dynamic CP: a sequence may spread over the whole pool).
     """
-    capacity = getattr(model_config, "max_seqlen_per_dp_cp_rank", None)
-    if not _is_positive_int(capacity):
-        raise PackingConfigError(
-            f"model_config.max_seqlen_per_dp_cp_rank={capacity!r}: set it to the positive int number of padded "
-            "tokens one DP x CP rank holds per microbatch"
-        )
+    capacity = max_seqlen_per_dp_cp_rank(model_config)
     dp, cp, tp = pg_collection.dp.size(), pg_collection.cp.size(), pg_collection.tp.size()
     align = alignment_multiple(
         dynamic_cp=dynamic_cp,

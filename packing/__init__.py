@@ -28,7 +28,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from mcore_compat import adapter, detect
+from mcore_compat import adapter, detect, runtime
 from mcore_compat.adapters import DYNAMIC_CP_SCHEDULERS
 from mcore_compat.adapters.base import pin_hint, pins_running
 from mcore_compat.adapters.native import no_data
@@ -147,6 +147,16 @@ def _require_pg_collection(pg_collection: ProcessGroupCollectionLike | None) -> 
         )
 
 
+def _require_groups(pg_collection: ProcessGroupCollectionLike) -> None:
+    missing = [name for name in ("tp", "pp", "cp", "dp", "dp_cp") if getattr(pg_collection, name, None) is None]
+    if missing:
+        raise PackingConfigError(
+            f"pg_collection has no {', '.join(missing)} group: global-batch packing reads tp, pp, cp, dp and dp_cp; "
+            "build it with ProcessGroupCollection.use_mpu_process_groups(required_pgs=['tp', 'pp', 'cp', 'dp', "
+            "'dp_cp'])"
+        )
+
+
 def _iterator_for_tp_rank(data_iterator: Any, pg_collection: ProcessGroupCollectionLike) -> Any:
     """Return the iterator on TP rank 0 and None elsewhere, as the scheduler requires."""
     return data_iterator if pg_collection.tp.rank() == 0 else None
@@ -174,7 +184,9 @@ def wrap_data_iterator_for_global_batch_packing(
             f"num_microbatches={num_microbatches!r}: pass the positive int number of samples each "
             "data-parallel rank pulls this step (get_num_microbatches())"
         )
+    _require_groups(pg_collection)
     chosen = adapter()
+    runtime.check_settings(model_config, pg_collection.dp_cp.size(), chosen.dynamic_cp_enabled(model_config))
     chosen.require_runnable(model_config)
     portable_api = _portable_api_for(chosen, model_config)
     wrap_data_iterator, _ = portable_api or _scheduler_api()

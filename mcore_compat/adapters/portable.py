@@ -103,12 +103,7 @@ def _positive_int(value: Any) -> bool:
 
 def read_settings(model_config: Any) -> Settings:
     """Read and check the config (identical on every rank, so raising here cannot strand a peer)."""
-    capacity = getattr(model_config, "max_seqlen_per_dp_cp_rank", None)
-    if not _positive_int(capacity):
-        raise PackingConfigError(
-            f"model_config.max_seqlen_per_dp_cp_rank={capacity!r}: set it to the positive number of padded "
-            "tokens one DP x CP rank holds per microbatch (bins hold that times the context-parallel size)"
-        )
+    capacity = runtime.max_seqlen_per_dp_cp_rank(model_config)
     if getattr(model_config, "pad_packed_seq_alignment", None) is not None:
         raise PackingConfigError(
             f"model_config.pad_packed_seq_alignment={model_config.pad_packed_seq_alignment!r}: THD tail padding "
@@ -191,10 +186,7 @@ class PortableAdapter(PackingAdapter):
     # -- wrap: one step -------------------------------------------------------------------------
 
     def wrap(self, data_iterator: Any, model_config: Any, num_microbatches: int, pg_collection: Any) -> WrapResult:
-        runtime.check_dynamic_cp_flags(model_config)
-        runtime.scheduler_name(model_config)
-        if self.dynamic_cp_enabled(model_config):
-            runtime.check_min_dynamic_cp_size(model_config, pg_collection.dp_cp.size())
+        runtime.check_settings(model_config, pg_collection.dp_cp.size(), self.dynamic_cp_enabled(model_config))
         self.require_runnable(model_config)
         settings = read_settings(model_config)
         if self.dynamic_cp_enabled(model_config):

@@ -45,6 +45,7 @@ class Case:
     samples_per_next: int = 1
     max_seqlen_per_dp_cp_rank: int = 64
     seed: int = 0
+    long_fraction: float = 0.25
     fault: Fault | None = None
 
     @property
@@ -70,6 +71,7 @@ class Case:
             samples_per_next=self.samples_per_next,
             multiple=alignment_multiple(tp=tp, cp=cp, dp=dp, dynamic_cp=self.dynamic_cp),
             capacity=self.max_seqlen_per_dp_cp_rank * pool,
+            long_fraction=self.long_fraction,
         )
 
 

@@ -4,9 +4,10 @@ Each case drives ``forward_backward_no_pipelining`` from the pin's ``pipeline_pa
 with ``packing``'s packed iterator and a tiny per-token model built on the pin's own
 ``SelfAttention`` and RoPE (float64, per-token loss), sums the loss, the loss-token count and every
 parameter gradient over DP x CP, and compares them with the same global batch run unpacked, sample by
-sample, in one process. Dynamic-CP cases apply ``packing.enable_dynamic_cp_model_support()`` first,
-as a trainer does; a case the pin cannot run is skipped with the probe's reason. Dropping one
-packed microbatch (the negative control) must be caught.
+sample, in one process. ``balanced`` (mcore-compat's own packer) runs the same check. Dynamic-CP
+cases apply ``packing.enable_dynamic_cp_model_support()`` first, as a trainer does; a case the pin
+cannot run is skipped with the probe's reason. Dropping one packed microbatch (the negative control)
+must be caught.
 
 Runs against the installed megatron-core, or ``MCORE_SRC`` (a Megatron-LM checkout). Heavy: run it
 alone, e.g. under a shared lock, and select cases with ``-k``.
@@ -28,6 +29,7 @@ pytestmark = pytest.mark.skipif(NO_MCORE is not None, reason=NO_MCORE or "")
 CASES = [
     Case(Layout(1, 2, 2), scheduler="dp_balanced", steps=2),
     Case(Layout(1, 1, 4), scheduler="dp_balanced", steps=2),
+    Case(Layout(1, 2, 2), scheduler="balanced", steps=2),
     Case(Layout(1, 2, 2), scheduler="default_dynamic_cp", dynamic_cp=True, steps=2),
     Case(Layout(1, 1, 4), scheduler="default_dynamic_cp", dynamic_cp=True, steps=2),
 ]
@@ -79,7 +81,11 @@ def test_loss_and_gradients_match_the_unpacked_batch(case: Case) -> None:
         assert not _differences(reference, rank), (rank["generation"], rank["backend"], _differences(reference, rank))
 
 
-@pytest.mark.parametrize("case", [CASES[0], CASES[2]], ids=[f"{CASES[0].name}-drop", f"{CASES[2].name}-drop"])
+DYNAMIC = next(case for case in CASES if case.dynamic_cp)
+DROPPED = [CASES[0], DYNAMIC]
+
+
+@pytest.mark.parametrize("case", DROPPED, ids=[f"{case.name}-drop" for case in DROPPED])
 def test_a_dropped_microbatch_is_caught(case: Case) -> None:
     reference, ranks = _run(case, drop=True)
     assert all(_differences(reference, rank) for rank in ranks), "dropping a microbatch changed nothing"
@@ -87,7 +93,7 @@ def test_a_dropped_microbatch_is_caught(case: Case) -> None:
 
 def test_without_the_model_support_pins_that_need_it_train_wrong() -> None:
     """Dynamic CP with the pin's attention as shipped: wrong or crashing on releases and main, right on dev."""
-    case = CASES[2]
+    case = DYNAMIC
     generation = GENERATIONS[_reference(case)["generation"]]
     follows = "attention" in generation.model_follows_microbatch_cp_group
     try:
