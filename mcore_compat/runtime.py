@@ -77,7 +77,7 @@ def check_min_dynamic_cp_size(model_config: Any, pool: int) -> int:
 
 def max_seqlen_per_dp_cp_rank(model_config: Any) -> int:
     """The bin capacity per DP x CP rank: a positive int."""
-    capacity = getattr(model_config, "max_seqlen_per_dp_cp_rank", None)
+    capacity: Any = getattr(model_config, "max_seqlen_per_dp_cp_rank", None)
     if not _is_positive_int(capacity):
         raise PackingConfigError(
             f"model_config.max_seqlen_per_dp_cp_rank={capacity!r}: set it to a positive int, the number of padded "

@@ -203,6 +203,9 @@ def wrap_data_iterator_for_global_batch_packing(
         num_microbatches,
         pg_collection=pg_collection,
     )
+    expect_fetches = getattr(chosen, "expect_fetches", None) if checked_iterator is not None else None
+    if expect_fetches is not None:  # a fetch past the count then raises on every TP rank, not in MCore's broadcast
+        expect_fetches(int(count))
     return WrapResult(packed, int(count), float(seqlen_sum), float(seqlen_squared_sum))
 
 
@@ -224,7 +227,11 @@ def get_batch_for_global_batch_packing(
     """
     _require_pg_collection(pg_collection)
     chosen = adapter()
-    _, fetch = _portable_api_for(chosen, model_config) or _scheduler_api()
+    portable_api = _portable_api_for(chosen, model_config)
+    _, fetch = portable_api or _scheduler_api()
+    count_fetch = getattr(chosen, "count_fetch", None)
+    if count_fetch is not None and portable_api is None and _scheduler_api is _PIN_SCHEDULER_API:
+        count_fetch(vp_stage)
     accepted = _accepted_parameters(fetch)
     optional: dict[str, Any] = {}
     if "dynamic_cp" in accepted:

@@ -121,7 +121,7 @@ class NativeSchedulerAdapter(PackingAdapter):
         packed, count, seqlen_sum, seqlen_squared_sum = self._wrap(
             iterator, model_config, num_microbatches, pg_collection=pg_collection
         )
-        self._packed_count = int(count)
+        self.expect_fetches(int(count))
         return WrapResult(packed, int(count), float(seqlen_sum), float(seqlen_squared_sum))
 
     def checked_iterator(self, data_iterator: Any, model_config: Any, num_microbatches: int, pg_collection: Any) -> Any:
@@ -193,7 +193,7 @@ class NativeSchedulerAdapter(PackingAdapter):
             kwargs["dynamic_cp"] = self.dynamic_cp_enabled(model_config)
         if "config" in self.facts.fetch_keywords:
             kwargs["config"] = model_config
-        self._count_fetch(vp_stage)
+        self.count_fetch(vp_stage)
         iterator = data_iterator if pg_collection.tp.rank() == 0 else None
         batch = tuple(self._fetch(iterator, **kwargs))
         return PackedBatch(*batch, *(None,) * (FETCH_ARITY - len(batch)))
@@ -209,7 +209,11 @@ class NativeSchedulerAdapter(PackingAdapter):
             return self._portable().finalize(packed_seq_params, pg_collection, route_prebuilder=route_prebuilder)
         return super().finalize(packed_seq_params, pg_collection, route_prebuilder=route_prebuilder)
 
-    def _count_fetch(self, vp_stage: int | None) -> None:
+    def expect_fetches(self, count: int) -> None:
+        """This step's packed iterator yields ``count`` microbatches (per virtual stage)."""
+        self._fetched, self._packed_count = {}, count
+
+    def count_fetch(self, vp_stage: int | None) -> None:
         """Raise ``StopIteration`` on every TP rank for a fetch past the microbatch count ``wrap`` returned.
 
         Every rank knows the count (MCore broadcasts it over TP), so no rank enters the fetch's

@@ -34,7 +34,7 @@ import dataclasses
 import importlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -117,9 +117,7 @@ def read_settings(model_config: Any) -> Settings:
     if vpp_group is not None and not _positive_int(vpp_group):
         raise PackingConfigError(f"model_config.microbatch_group_size_per_vp_stage={vpp_group!r}: use a positive int")
     scheduler = getattr(model_config, "sequence_packing_scheduler", SCHEDULER)
-    return Settings(
-        cast(int, capacity), vpp_size, vpp_group, max_seqs, scheduler if scheduler in PLANNERS else SCHEDULER
-    )
+    return Settings(capacity, vpp_size, vpp_group, max_seqs, scheduler if scheduler in PLANNERS else SCHEDULER)
 
 
 class PortableAdapter(PackingAdapter):
