@@ -221,6 +221,8 @@ def get_batch_for_global_batch_packing(
     Megatron-Core slices the packed bin for this rank's (possibly dynamic) CP group, broadcasts it over TP,
     and returns THD metadata; the params are then finalized (:func:`finalize_packed_seq_params`, so calling
     it again is harmless). ``config`` and ``dynamic_cp`` reach the pin's fetch only where it accepts them.
+    Where the pin's own scheduler runs, each virtual stage may fetch the microbatch count the last ``wrap``
+    returned; one fetch more raises ``StopIteration`` on every TP rank.
 
     Returns ``(tokens, labels, loss_mask, attention_mask, position_ids, packed_seq_params, padding_mask)``;
     ``attention_mask`` is always None (THD) and ``padding_mask`` is None on pins whose fetch returns six values.
