@@ -6,10 +6,11 @@ have the native scheduler). For each layout, every step feeds the same samples t
 the same process groups, one after the other: ``wrap`` then one fetch per returned microbatch (a
 "packing step"). It prints, from this one run: the collectives each backend issued on rank 0 per
 step (counted by wrapping the ``torch.distributed`` functions inside the ranks), the step wall time
-(slowest rank, mean over the steps after the first) and the ratio portable/native, and whether
-both backends returned identical microbatches on every rank. ``unchecked`` runs the same native
-step on MCore's own ``wrap_data_iterator`` without the facade's checks and agreement: the extra
-collectives and the checked/unchecked wall-time ratio are the cost of never stranding a rank.
+(slowest rank, median over the steps after the first; the backends take turns running first) and
+the ratio portable/native, and whether both backends returned identical microbatches on every rank.
+``unchecked`` runs the same native step on MCore's own ``wrap_data_iterator`` without the facade's
+checks and agreement: the extra collectives and the checked/unchecked wall-time ratio are the cost
+of never stranding a rank.
 
     MCORE_SRC=path/to/Megatron-LM python benchmarks/portable_vs_native.py [--layouts 1x2x2,2x1x2] [--samples 32]
 """
@@ -159,7 +160,10 @@ def bench_on_rank(rank: int, world_size: int, cases: Sequence[Case], long_fracti
                 for step in range(case.steps):
                     record: dict[str, Any] = {"layout": str(case.layout), "step": step, "rank": rank}
                     outputs = {}
-                    for name, adapter in backends.items():
+                    names = list(backends)
+                    order = names[step % len(names) :] + names[: step % len(names)]  # no backend always runs first
+                    for name in order:
+                        adapter = backends[name]
                         dist.barrier()
                         counter = CollectiveCounter()
                         counter.install()
@@ -189,7 +193,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layouts", default="1x2x2,2x1x2", help="tp x cp x dp layouts of world size 4")
     parser.add_argument("--samples", type=int, default=32, help="samples per global batch")
-    parser.add_argument("--steps", type=int, default=6, help="steps per layout (the first is not timed)")
+    parser.add_argument("--steps", type=int, default=13, help="steps per layout (the first is not timed)")
     parser.add_argument("--max-seqlen", type=int, default=256, help="max_seqlen_per_dp_cp_rank")
     parser.add_argument(
         "--long-fraction", type=float, default=0.8, help="share of samples drawn up to the bin capacity (else short)"
@@ -227,7 +231,7 @@ def main() -> None:
         for name in STEPS:
             totals = [sum(r[name]["counts"].values()) for r in rank0]
             step_seconds = [max(records[k][s][name]["seconds"] for k in range(4)) for s in range(1, case.steps)]
-            times[name] = statistics.mean(step_seconds)
+            times[name] = statistics.median(step_seconds)
             print(
                 f"  {name:<8} collectives on rank 0 per step: {statistics.mean(totals):6.1f} "
                 f"(step 1: {_counts_line(rank0[1][name]['counts'])}); step time {times[name] * 1e3:7.1f} ms"
@@ -241,7 +245,8 @@ def main() -> None:
         same = all(r["checks_identical"] for rank_records in records for r in rank_records)
         print(
             f"  checks (agreement) cost: {native_total - unchecked_total:+.1f} collectives per step, "
-            f"wall time checked/unchecked {times['native'] / times['unchecked']:.3f}; "
+            f"wall time checked/unchecked {times['native'] / times['unchecked']:.3f} "
+            f"({(times['native'] - times['unchecked']) * 1e3:+.1f} ms); "
             f"same microbatches with and without checks: {'yes' if same else 'NO'}"
         )
 
