@@ -4,8 +4,9 @@ For every distribution of :data:`mcore_compat.plan.SYNTHETIC` and every global b
 capacity (4096, 8192) of the grid, with fresh lengths per cell (``--seed``), it plans the batch with both
 schedulers and prints, per distribution, the means of: microbatches / lower bound (``ceil(ceil(sum / capacity) /
 DP)``), microbatches / strict bound (also counting that every sample longer than half a bin needs a bin of its
-own), and DP efficiency (tokens / (DP x sum over microbatches of the busiest rank's tokens)); then the fewer
-passes per step of ``balanced``. Cells with fewer than ``--min-per-rank`` samples per DP rank are left out (and
+own), DP efficiency (tokens / (DP x sum over microbatches of the busiest rank's tokens)) and its ratio to the
+best any plan can reach (``min(1, tokens / (DP x longest sample))``); then the fewer passes per step of
+``balanced``. Cells with fewer than ``--min-per-rank`` samples per DP rank are left out (and
 counted), since there one long sample can outweigh a whole bin's mean load for any scheduler.
 
     python benchmarks/plan_quality.py [--seed 0] [--min-per-rank 16]
@@ -37,6 +38,11 @@ def efficiency(plan: BinPlan, lengths: list[int]) -> float:
     return sum(lengths) / (dp * busiest)
 
 
+def efficiency_bound(lengths: list[int], dp: int) -> float:
+    """No plan does better: the busiest ranks carry at least the mean rank load and at least the longest sample."""
+    return min(1.0, sum(lengths) / (dp * max(lengths)))
+
+
 def strict_bound(lengths: list[int], capacity: int, dp: int) -> int:
     bins = max(-(-sum(lengths) // capacity), sum(1 for n in lengths if 2 * n > capacity))
     return -(-bins // dp)
@@ -48,12 +54,12 @@ def main() -> None:
     parser.add_argument("--min-per-rank", type=int, default=16)
     args = parser.parse_args()
     rng = random.Random(args.seed)
-    header = f"{'distribution':<12} {'cells':>5} | {'mb/LB':>7} {'mb/strict':>9} {'DP eff':>7} |"
-    print(f"{'':<18} | {'balanced':^25} | {'dp_balanced':^25} | balanced saves")
-    print(f"{header} {'mb/LB':>7} {'mb/strict':>9} {'DP eff':>7} | passes per step")
+    columns = f"{'mb/LB':>7} {'mb/strict':>9} {'DP eff':>7} {'eff/bnd':>7} |"
+    print(f"{'':<18} | {'balanced':^33} | {'dp_balanced':^33} | balanced saves")
+    print(f"{'distribution':<12} {'cells':>5} | {columns} {columns} passes per step")
     skipped = 0
     for name in SYNTHETIC:
-        figures: dict[str, list[list[float]]] = {"balanced": [[], [], []], "dp_balanced": [[], [], []]}
+        figures: dict[str, list[list[float]]] = {"balanced": [[], [], [], []], "dp_balanced": [[], [], [], []]}
         saved = []
         for batch in BATCHES:
             for dp in DPS:
@@ -70,11 +76,12 @@ def main() -> None:
                         figures[key][0].append(plan.num_microbatches / lower_bound(lengths, capacity, dp))
                         figures[key][1].append(plan.num_microbatches / strict_bound(lengths, capacity, dp))
                         figures[key][2].append(efficiency(plan, lengths))
+                        figures[key][3].append(figures[key][2][-1] / efficiency_bound(lengths, dp))
                     saved.append(1 - plans["balanced"].num_microbatches / plans["dp_balanced"].num_microbatches)
         cells = [f"{statistics.mean(v):7.3f}" for key in ("balanced", "dp_balanced") for v in figures[key]]
         print(
-            f"{name:<12} {len(saved):>5} | {cells[0]} {cells[1]:>9} {cells[2]} | {cells[3]} {cells[4]:>9} {cells[5]} "
-            f"| {statistics.mean(saved):.1%}"
+            f"{name:<12} {len(saved):>5} | {cells[0]} {cells[1]:>9} {cells[2]} {cells[3]} "
+            f"| {cells[4]} {cells[5]:>9} {cells[6]} {cells[7]} | {statistics.mean(saved):.1%}"
         )
     print(f"({skipped} cells with fewer than {args.min_per_rank} samples per DP rank left out)")
 
