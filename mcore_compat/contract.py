@@ -177,7 +177,7 @@ def _length(raw: Mapping[str, Any], key: str, rank: int, index: int) -> tuple[in
         )
     if value.dtype == torch.bool:
         return None, record(Problem.BAD_LENGTH, *where, a=key_index, b=LengthKind.BOOL, c=int(value.item()))
-    return int(value.reshape(()).item()), OK
+    return int(value.item()), OK
 
 
 def _token_fields(
@@ -219,11 +219,11 @@ def _sequence(
         return None, record(Problem.OVERSIZE, rank, index, a=-1, b=padded, c=limits.capacity)
     positions = fields["position_ids"][start : start + original]
     expected = torch.arange(original, dtype=positions.dtype, device=positions.device)
-    wrong = torch.nonzero(positions != expected)
-    if wrong.numel():
-        at = int(wrong[0, 0])
+    if not torch.equal(positions, expected):
+        at = int(torch.nonzero(positions != expected)[0, 0])
         return None, record(Problem.BAD_POSITION_IDS, rank, index, a=at, b=int(positions[at]), c=original)
-    sliced = {k: v[start : start + padded] for k, v in fields.items()}
+    whole = start == 0 and all(v.numel() == padded for v in fields.values())
+    sliced = fields if whole else {k: v[start : start + padded] for k, v in fields.items()}
     return Sample(sliced, original, padded), OK
 
 
