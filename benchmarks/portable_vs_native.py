@@ -10,7 +10,7 @@ step (counted by wrapping the ``torch.distributed`` functions inside the ranks),
 the ratio portable/native, and whether both backends returned identical microbatches on every rank.
 ``unchecked`` runs the same native step on MCore's own ``wrap_data_iterator`` without the facade's
 checks and agreement: the extra collectives and the checked/unchecked wall-time ratio are the cost
-of never stranding a rank.
+of never stranding a rank. Last, the latency of the agreement's all-gather alone on this machine.
 
     MCORE_SRC=path/to/Megatron-LM python benchmarks/portable_vs_native.py [--layouts 1x2x2,2x1x2] [--samples 32]
 """
@@ -36,6 +36,7 @@ import torch.distributed as dist  # noqa: E402
 
 from mcore_compat.adapters import select_adapter  # noqa: E402
 from mcore_compat.adapters.portable import PortableAdapter  # noqa: E402
+from mcore_compat.agreement import ROW_WIDTH  # noqa: E402
 from mcore_compat.capabilities import detect  # noqa: E402
 from mcore_compat.testing import (  # noqa: E402
     Case,
@@ -177,7 +178,24 @@ def bench_on_rank(rank: int, world_size: int, cases: Sequence[Case], long_fracti
                     record["identical"] = _same(outputs["native"], outputs["portable"])
                     record["checks_identical"] = _same(outputs["native"], outputs["unchecked"])
                     results.append(record)
+    results.append({"layout": LONE_COLLECTIVE, "rank": rank, "seconds": _lone_agreement_collective(world_size)})
     return results
+
+
+LONE_COLLECTIVE = "lone agreement collective"
+
+
+def _lone_agreement_collective(world_size: int, repeats: int = 40) -> list[float]:
+    """Seconds of the agreement's all-gather (one row per rank) alone, each started right after a barrier."""
+    row = torch.zeros(ROW_WIDTH, dtype=torch.int64)
+    out = torch.empty(world_size * ROW_WIDTH, dtype=torch.int64)
+    seconds = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_gather_single(out, row)
+        seconds.append(time.perf_counter() - start)
+    return seconds[repeats // 4 :]
 
 
 def _layout(text: str) -> Layout:
@@ -249,6 +267,16 @@ def main() -> None:
             f"({(times['native'] - times['unchecked']) * 1e3:+.1f} ms); "
             f"same microbatches with and without checks: {'yes' if same else 'NO'}"
         )
+    _print_lone_collective(per_rank)
+
+
+def _print_lone_collective(per_rank: Sequence[Sequence[dict[str, Any]]]) -> None:
+    lone = [next(r["seconds"] for r in rank_records if r["layout"] == LONE_COLLECTIVE) for rank_records in per_rank]
+    slowest = [max(rank_seconds[i] for rank_seconds in lone) for i in range(len(lone[0]))]
+    print(
+        f"\none agreement all-gather alone on this machine (slowest rank, median): "
+        f"{statistics.median(slowest) * 1e3:.1f} ms (compare with the checks' extra wall time above)"
+    )
 
 
 def detect_label(sys_path: Sequence[str]) -> str:
