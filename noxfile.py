@@ -5,6 +5,7 @@
     nox -s test-mcore-core_r0_16     install megatron-core 0.16.1 for real, then this project, then the whole suite
     nox -s wheel                     build the wheel, install it with megatron-core 0.16.1, check it from outside
     nox -t matrix -j auto            lint + tests + wheel + every pin session, concurrently (README, CI)
+    nox -s test-mcore-history        the probe against real steps on every generation's first commit ($MCORE_REPO)
 
 The pins, their Python and how each installs live in mcore_compat/pins.toml. Python 3.11/3.12 are found on
 PATH, through pyenv (whose interpreters are not on PATH unless selected), or from $PYTHON_3_11 / $PYTHON_3_12.
@@ -204,6 +205,29 @@ def tests(session: nox.Session) -> None:
 
     Tests that need Megatron-LM source use the checkout named by $MCORE_SRC.
     """
+    _install_lower_bounds(session)
+    _pytest(session, Path(session.bin) / "python", {})
+
+
+@nox.session(name="test-mcore-history", python=PY311, default=False)
+def history(session: nox.Session) -> None:
+    """The probe against real 4-rank steps on the first commit of every generation and both tips ($MCORE_REPO).
+
+    Also detection on each first commit and its parent (tests/test_real_commits.py). Trees are extracted
+    once into $MCORE_TREES; without $MCORE_REPO the session skips with the command that gets one.
+    """
+    if not os.environ.get("MCORE_REPO"):
+        session.skip(
+            "MCORE_REPO is unset: `git clone --filter=blob:none https://github.com/NVIDIA/Megatron-LM.git <dir>` "
+            "and set MCORE_REPO=<dir>"
+        )
+    _install_lower_bounds(session)
+    tests = [str(ROOT / "tests" / name) for name in ("test_history.py", "test_real_commits.py")]
+    session.run("python", "-m", "pytest", *tests, *session.posargs, env={"OMP_NUM_THREADS": "1"})
+
+
+def _install_lower_bounds(session: nox.Session) -> None:
+    """This project (editable) on the lower bounds of its dependencies, with what source pins need, no megatron-core."""
     project = nox.project.load_toml(ROOT / "pyproject.toml")["project"]
     source_needs = [req for pin in TABLE.pins.values() if pin.git for req in pin.requires]
     needs = [
@@ -218,7 +242,6 @@ def tests(session: nox.Session) -> None:
     first_by_name.pop("megatron-core", None)
     session.install(*first_by_name.values())
     session.install("--no-deps", "-e", str(ROOT))
-    _pytest(session, Path(session.bin) / "python", {})
 
 
 @nox.session(python=PY311, default=False)

@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 
+from mcore_compat import detect
 from mcore_compat.generations import GENERATIONS
 from mcore_compat.testing import Case, Layout, check_steps, launch
 from mcore_compat.testing.patches import cpu_patches
@@ -70,7 +71,9 @@ def _gated_error(case: Case) -> str | None:
 def _on_rank(rank: int, world_size: int, requests: list[tuple[str, bool]]) -> list[dict[str, Any]]:
     import packing
 
-    packing.enable_dynamic_cp_model_support()  # what a trainer calls once before building its model
+    with cpu_patches():  # detection imports Megatron-Core (triton from 0.18 on) through the CPU stand-ins, once
+        detect()
+        packing.enable_dynamic_cp_model_support()  # what a trainer calls once before building its model
     results = []
     for scheduler, dynamic in requests:
         case = Case(LAYOUT, scheduler, dynamic_cp=dynamic, steps=2)
