@@ -23,9 +23,11 @@ so every rank raises the same error. Only torch is imported.
 
 from __future__ import annotations
 
+import gc
 import math
 import struct
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +49,7 @@ __all__ = [
     "Sample",
     "alignment_multiple",
     "check_items",
+    "collection_paused",
     "convert_items",
     "pull",
     "read_step",
@@ -101,7 +104,7 @@ class Limits:
     capacity: int | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class Sample:
     """One sequence: its per-token fields (1-D, ``padded`` long) and its two lengths."""
 
@@ -310,6 +313,20 @@ def check_items(items: list[Any], rank: int, limits: Limits) -> tuple[list[Sampl
             return [], verdict
         samples.extend(found)
     return samples, OK
+
+
+@contextmanager
+def collection_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the block (restored after), so that the many short-lived
+    objects of one step's checks are freed by reference counting instead of being promoted to older
+    generations, which makes the next full collection of a trainer's large heap come sooner."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def read_step(data_iterator: Iterator[Any] | None, num_microbatches: int, rank: int, limits: Limits) -> LocalBatch:

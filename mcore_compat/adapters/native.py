@@ -20,7 +20,7 @@ from mcore_compat.capabilities import Capabilities
 
 if TYPE_CHECKING:
     from mcore_compat.adapters.portable import PortableAdapter
-from mcore_compat.contract import SAMPLE_FORMS, LocalBatch, convert_items, read_step
+from mcore_compat.contract import SAMPLE_FORMS, LocalBatch, collection_paused, convert_items, read_step
 from mcore_compat.generations import FETCH_FUNCTION, SCHEDULER_MODULE, WRAP_FUNCTION
 from mcore_compat.portable import SCHEDULERS as PORTABLE_SCHEDULERS
 from mcore_compat.portable.errors import Problem, raise_if_bad, record
@@ -141,10 +141,11 @@ class NativeSchedulerAdapter(PackingAdapter):
         self._fetched, self._packed_count = {}, None
         batch: LocalBatch | None = None
         source, position = None, None
-        if self.rank_loads_data(pg_collection):
-            source, position = self._stage_source(data_iterator, model_config)
-            batch = read_step(source, num_microbatches, pg_collection.dp.rank(), limits)
-        agree(batch, num_microbatches, pg_collection)
+        with collection_paused():  # the step's short-lived check objects must not age into a full collection
+            if self.rank_loads_data(pg_collection):
+                source, position = self._stage_source(data_iterator, model_config)
+                batch = read_step(source, num_microbatches, pg_collection.dp.rank(), limits)
+            agree(batch, num_microbatches, pg_collection)
         iterator: Any
         if batch is None:
             iterator = no_data(model_config)
