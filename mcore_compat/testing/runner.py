@@ -217,15 +217,20 @@ def _run_step(case: Case, step: int, pg_collection: Any, config: Any) -> RankSte
     )
 
 
+def _probe(case: Case) -> str | None:
+    """The probe's answer for ``case``, asked as a trainer asks: after the dynamic-CP model support is applied."""
+    import packing
+
+    if case.dynamic_cp and hasattr(packing, "enable_dynamic_cp_model_support"):
+        packing.enable_dynamic_cp_model_support()  # as a trainer does before building its model
+    return packing.probe_global_batch_packing_support(case.scheduler, dynamic_cp=case.dynamic_cp)
+
+
 def run_case_on_rank(rank: int, case: Case) -> CaseResult:
     """Run one case on this rank (the process group is up); the probe's refusal skips it on every rank."""
     partition = contiguous_split if case.fault == "wrong_split" else None
     with cpu_patches(context_parallel=case.layout.cp > 1, dynamic_cp=case.dynamic_cp, partition=partition) as applied:
-        import packing
-
-        if case.dynamic_cp and hasattr(packing, "enable_dynamic_cp_model_support"):
-            packing.enable_dynamic_cp_model_support()  # as a trainer does before building its model
-        reason = packing.probe_global_batch_packing_support(case.scheduler, dynamic_cp=case.dynamic_cp)
+        reason = _probe(case)
         if reason is not None:
             return CaseResult(case, rank, skipped=reason, patches=applied, **_pin())
         with model_parallel(case):
@@ -244,15 +249,13 @@ def _worker(rank: int, world_size: int, cases: Sequence[Case], setup: Callable[[
 def _probe_worker(
     rank: int, world_size: int, cases: Sequence[Case], setup: Callable[[], None] | None
 ) -> list[CaseResult | None]:
-    """The probe's refusal of each case (None: it runs), asked under the same patches as the ranks."""
+    """The probe's refusal of each case (None: it runs), asked under the same patches and calls as the ranks."""
     if setup is not None:
         setup()
     answers: list[CaseResult | None] = []
     for case in cases:
         with cpu_patches(context_parallel=case.layout.cp > 1, dynamic_cp=case.dynamic_cp) as applied:
-            import packing
-
-            reason = packing.probe_global_batch_packing_support(case.scheduler, dynamic_cp=case.dynamic_cp)
+            reason = _probe(case)
             answers.append(
                 None if reason is None else CaseResult(case, rank, skipped=reason, patches=applied, **_pin())
             )
