@@ -154,12 +154,10 @@ def _apply_partition(patcher: _Patcher, partition: PartitionFn) -> None:
     if utils is not None and hasattr(utils, "get_thd_partitioned_indices"):
         patcher.setattr(utils, "get_thd_partitioned_indices", partition)
         patcher.applied.append(f"P6 {SCHEDULER_UTILS_MODULE}.get_thd_partitioned_indices")
-    from mcore_compat.adapters import adapter
-
-    if adapter().backend == "portable":
-        portable = importlib.import_module("mcore_compat.portable.microbatch")
-        patcher.setattr(portable, "thd_partitioned_indices", partition)
-        patcher.applied.append("P6 mcore_compat.portable.microbatch.thd_partitioned_indices (portable backend)")
+    # The portable backend also runs on native pins (schedulers their registry lacks, dynamic CP on main).
+    portable = importlib.import_module("mcore_compat.portable.microbatch")
+    patcher.setattr(portable, "thd_partitioned_indices", partition)
+    patcher.applied.append("P6 mcore_compat.portable.microbatch.thd_partitioned_indices (portable backend)")
 
 
 def transformer_engine_available() -> bool:
