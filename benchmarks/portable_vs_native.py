@@ -232,6 +232,8 @@ def main() -> None:
         parser.error(missing)
 
     cases = []
+    if len(set(args.layouts.split(","))) != len(args.layouts.split(",")):
+        parser.error(f"--layouts {args.layouts}: name each layout once")
     for layout in map(_layout, args.layouts.split(",")):
         if layout.world_size != 4 or args.samples % layout.dp:
             parser.error(f"{layout}: use world size 4 and a sample count divisible by dp")
