@@ -239,3 +239,24 @@ def equivalence_on_rank(
             finally:
                 _destroy()
     return results
+
+
+DYNAMIC_LAYOUTS = (Layout(1, 2, 2), Layout(2, 2, 1), Layout(1, 1, 4), Layout(1, 4, 1))
+DYNAMIC_CASES: list[Case] = [
+    *[
+        Case(layout, "default_dynamic_cp", dynamic_cp=True, min_dynamic_cp_size=m, steps=2)
+        for layout in DYNAMIC_LAYOUTS
+        for m in (1, 2)
+    ],
+    Case(
+        Layout(1, 2, 2),
+        "default_dynamic_cp",
+        dynamic_cp=True,
+        steps=2,
+        num_microbatches=16,
+        max_seqlen_per_dp_cp_rank=32,
+    ),
+    Case(Layout(1, 1, 4), "default_dynamic_cp", dynamic_cp=True, steps=1, samples_per_next=3, num_microbatches=4),
+]
+"""The dynamic-CP cases compared with dev's native scheduler: every layout of world size 4 with DP x CP > 1 and
+minimum group sizes 1 and 2, small bins (more microbatches), and several samples per ``next()``."""

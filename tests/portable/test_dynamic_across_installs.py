@@ -21,8 +21,9 @@ import pytest
 import torch
 
 from mcore_compat.generations import GENERATIONS
-from mcore_compat.testing import Case, CaseRun, Layout, run_cases
+from mcore_compat.testing import CaseRun, run_cases
 from mcore_compat.testing.records import MicrobatchRecord
+from tests.portable.ranks import DYNAMIC_CASES
 
 DEV_SRC = os.environ.get("MCORE_SRC_DEV")
 SUBJECT_SRC = os.environ.get("MCORE_SRC") if os.environ.get("MCORE_SRC") != DEV_SRC else None
@@ -48,22 +49,7 @@ pytestmark = pytest.mark.skipif(
     "(pip install megatron-core==0.16.1) or MCORE_SRC",
 )
 
-LAYOUTS = (Layout(1, 2, 2), Layout(2, 2, 1), Layout(1, 1, 4), Layout(1, 4, 1))
-CASES = [
-    *[
-        Case(layout, "default_dynamic_cp", dynamic_cp=True, min_dynamic_cp_size=m, steps=2)
-        for layout in LAYOUTS
-        for m in (1, 2)
-    ],
-    Case(
-        Layout(1, 2, 2),
-        "default_dynamic_cp",
-        dynamic_cp=True,
-        steps=1,
-        num_microbatches=16,
-        max_seqlen_per_dp_cp_rank=32,
-    ),
-]
+CASES = DYNAMIC_CASES
 COMPARED = (
     "tokens",
     "labels",

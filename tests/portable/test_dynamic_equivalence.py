@@ -22,8 +22,9 @@ import torch.distributed as dist
 from mcore_compat.adapters import select_adapter
 from mcore_compat.adapters.portable import PortableAdapter
 from mcore_compat.capabilities import detect
-from mcore_compat.testing import Case, Layout, cpu_patches, decode, launch, locate_mcore, model_config
+from mcore_compat.testing import Case, cpu_patches, decode, launch, locate_mcore, model_config
 from mcore_compat.testing.runner import mpu_pg_collection
+from tests.portable.ranks import DYNAMIC_CASES
 
 SYS_PATH, NO_MCORE = locate_mcore()
 pytestmark = pytest.mark.skipif(
@@ -31,23 +32,7 @@ pytestmark = pytest.mark.skipif(
     reason=NO_MCORE or "set MCORE_SRC to a Megatron-LM dev checkout (native default_dynamic_cp)",
 )
 
-LAYOUTS = (Layout(1, 2, 2), Layout(2, 2, 1), Layout(1, 1, 4), Layout(1, 4, 1))
-CASES: list[Case] = [
-    *[
-        Case(layout, "default_dynamic_cp", dynamic_cp=True, min_dynamic_cp_size=m, steps=2)
-        for layout in LAYOUTS
-        for m in (1, 2)
-    ],
-    Case(
-        Layout(1, 2, 2),
-        "default_dynamic_cp",
-        dynamic_cp=True,
-        steps=2,
-        num_microbatches=16,
-        max_seqlen_per_dp_cp_rank=32,
-    ),
-    Case(Layout(1, 1, 4), "default_dynamic_cp", dynamic_cp=True, steps=1, samples_per_next=3, num_microbatches=4),
-]
+CASES = DYNAMIC_CASES
 
 
 def _cpu(value: Any) -> Any:
