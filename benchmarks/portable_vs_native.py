@@ -283,12 +283,9 @@ def main() -> None:
             f"same microbatches with and without checks: {'yes' if same else 'NO'}"
         )
         met = native_total - unchecked_total <= 1 and ratio <= 1.05 and same
-        print(f"  cost bound (at most +1 collective and +5 % wall time per step, same microbatches): {_met(met)}")
+        verdict = "met" if met else "NOT met"
+        print(f"  cost bound (at most +1 collective and +5 % wall time per step, same microbatches): {verdict}")
     _print_lone_collective(per_rank)
-
-
-def _met(met: bool) -> str:
-    return "met" if met else "NOT met"
 
 
 def _print_lone_collective(per_rank: Sequence[Sequence[dict[str, Any]]]) -> None:
