@@ -258,5 +258,12 @@ DYNAMIC_CASES: list[Case] = [
     ),
     Case(Layout(1, 1, 4), "default_dynamic_cp", dynamic_cp=True, steps=1, samples_per_next=3, num_microbatches=4),
 ]
-"""The dynamic-CP cases compared with dev's native scheduler: every layout of world size 4 with DP x CP > 1 and
-minimum group sizes 1 and 2, small bins (more microbatches), and several samples per ``next()``."""
+"""The dynamic-CP cases compared with dev's native scheduler: layouts 1·2·2, 2·2·1, 1·1·4 and 1·4·1 with minimum
+group sizes 1 and 2, small bins (more microbatches), and several samples per ``next()``."""
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Equal values; tensors only when both are tensors of the same dtype and shape with equal elements."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    return a == b

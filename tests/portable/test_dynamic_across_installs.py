@@ -18,12 +18,11 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 
 from mcore_compat.generations import GENERATIONS
 from mcore_compat.testing import CaseRun, run_cases
 from mcore_compat.testing.records import MicrobatchRecord
-from tests.portable.ranks import DYNAMIC_CASES
+from tests.portable.ranks import DYNAMIC_CASES, same_value
 
 DEV_SRC = os.environ.get("MCORE_SRC_DEV")
 SUBJECT_SRC = os.environ.get("MCORE_SRC") if os.environ.get("MCORE_SRC") != DEV_SRC else None
@@ -71,9 +70,9 @@ COMPARED = (
 @pytest.fixture(scope="module")
 def runs() -> dict[str, list[CaseRun]]:
     dev = run_cases(CASES, sys_path=[str(Path(str(DEV_SRC)).resolve())], timeout=900)
-    subject = run_cases(CASES, sys_path=[str(Path(SUBJECT_SRC).resolve())] if SUBJECT_SRC else [], timeout=900)
     if any(run.backend != "native" for run in dev):
         pytest.skip(f"MCORE_SRC_DEV is {dev[0].generation}, not a dev tree with a native default_dynamic_cp")
+    subject = run_cases(CASES, sys_path=[str(Path(SUBJECT_SRC).resolve())] if SUBJECT_SRC else [], timeout=900)
     row = GENERATIONS.get(subject[0].generation or "")
     if row is not None and "default_dynamic_cp" in row.dynamic_cp_schedulers:
         pytest.skip(f"{SUBJECT} ({row.id}) runs default_dynamic_cp natively: compare a release or main with dev")
@@ -83,14 +82,8 @@ def runs() -> dict[str, list[CaseRun]]:
     return {"dev": dev, "subject": subject}
 
 
-def _equal(a: object, b: object) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    return a == b
-
-
 def _differences(dev: MicrobatchRecord, subject: MicrobatchRecord) -> list[str]:
-    return [key for key in COMPARED if not _equal(getattr(dev, key), getattr(subject, key))]
+    return [key for key in COMPARED if not same_value(getattr(dev, key), getattr(subject, key))]
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[f"{c.name}-{c.max_seqlen_per_dp_cp_rank}" for c in CASES])
@@ -108,7 +101,7 @@ def test_matches_dev_native(runs, index):
             assert len(r.microbatches) == len(d.microbatches), where
             for k, (d_mb, r_mb) in enumerate(zip(d.microbatches, r.microbatches, strict=True)):
                 assert _differences(d_mb, r_mb) == [], f"{where} microbatch {k}"
-                assert _equal(r_mb.cu_seqlens_q, r_mb.cu_seqlens_q_padded), f"{where} microbatch {k}"
+                assert same_value(r_mb.cu_seqlens_q, r_mb.cu_seqlens_q_padded), f"{where} microbatch {k}"
 
 
 def test_the_comparison_is_live(runs):
@@ -117,4 +110,4 @@ def test_the_comparison_is_live(runs):
     assert {mb.local_cp_size for mb in mbs} >= {1, 2, 4}
     assert {len(mb.cp_group_ranks) for mb in mbs} >= {1, 2, 4}
     dev_mbs = [mb for run in runs["dev"] for step in run.steps for rank in step for mb in rank.microbatches]
-    assert any(not _equal(mb.cu_seqlens_q, mb.cu_seqlens_q_padded) for mb in dev_mbs)
+    assert any(not same_value(mb.cu_seqlens_q, mb.cu_seqlens_q_padded) for mb in dev_mbs)

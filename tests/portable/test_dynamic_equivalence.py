@@ -24,7 +24,7 @@ from mcore_compat.adapters.portable import PortableAdapter
 from mcore_compat.capabilities import detect
 from mcore_compat.testing import Case, cpu_patches, decode, launch, locate_mcore, model_config
 from mcore_compat.testing.runner import mpu_pg_collection
-from tests.portable.ranks import DYNAMIC_CASES
+from tests.portable.ranks import DYNAMIC_CASES, same_value
 
 SYS_PATH, NO_MCORE = locate_mcore()
 pytestmark = pytest.mark.skipif(
@@ -119,18 +119,6 @@ def records() -> list[dict]:
     return flat
 
 
-def _equal(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (
-            isinstance(a, torch.Tensor)
-            and isinstance(b, torch.Tensor)
-            and a.dtype == b.dtype
-            and a.shape == b.shape
-            and torch.equal(a, b)
-        )
-    return a == b
-
-
 def _sample_ids(packed: dict) -> list[int | None]:
     starts = packed["cu_seqlens_padded"][:-1].tolist()
     return [None if (found := decode(int(packed["tokens"][s]))) is None else found[0] for s in starts]
@@ -155,16 +143,16 @@ def test_portable_matches_native_dynamic_cp(records, index):
             assert _sample_ids(p_mb) == _sample_ids(n_mb), f"{at}: different samples or order"
             assert set(p_mb) == set(n_mb), at
             for key in n_mb:
-                assert _equal(p_mb[key], n_mb[key]), f"{at}: {key} differs"
+                assert same_value(p_mb[key], n_mb[key]), f"{at}: {key} differs"
         assert len(portable["fetched"]) == len(native["fetched"]), where
         for k, (n_f, p_f) in enumerate(zip(native["fetched"], portable["fetched"], strict=True)):
             at = f"{where} fetch {k}"
             for key in ("tokens", "labels", "loss_mask", "position_ids", "padding_mask", "cu_seqlens_q_padded"):
-                assert _equal(p_f[key], n_f[key]), f"{at}: {key} differs"
-            assert _equal(p_f["cu_seqlens_kv_padded"], n_f["cu_seqlens_kv_padded"]), at
+                assert same_value(p_f[key], n_f[key]), f"{at}: {key} differs"
+            assert same_value(p_f["cu_seqlens_kv_padded"], n_f["cu_seqlens_kv_padded"]), at
             assert (p_f["max_seqlen_q"], p_f["local_cp_size"]) == (n_f["max_seqlen_q"], n_f["local_cp_size"]), at
             assert p_f["cp_group"] == n_f["cp_group"], f"{at}: CP group ranks differ"
-            assert _equal(p_f["cu_seqlens_q"], p_f["cu_seqlens_q_padded"]), at
+            assert same_value(p_f["cu_seqlens_q"], p_f["cu_seqlens_q_padded"]), at
 
 
 def test_the_comparison_is_live(records):
