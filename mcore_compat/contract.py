@@ -159,9 +159,16 @@ def _float_bits(value: float) -> int:
     return int(struct.unpack("<q", struct.pack("<d", value))[0])
 
 
+_INTEGER_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
+
+
 def _length(raw: Mapping[str, Any], key: str, rank: int, index: int) -> tuple[int | None, list[int]]:
     """An integer length field: a one-element integer tensor of shape ``[1]`` (or ``[1, 1]``)."""
-    value, where = raw[key], (rank, index)
+    value = raw[key]
+    if isinstance(value, torch.Tensor) and value.dtype in _INTEGER_DTYPES and value.numel() == 1:
+        if value.dim() in (1, 2):
+            return int(value.item()), OK  # the common case first; the checks below name what is wrong
+    where = (rank, index)
     key_index = SAMPLE_KEYS.index(key)
     if isinstance(value, bool):
         return None, record(Problem.BAD_LENGTH, *where, a=key_index, b=LengthKind.BOOL, c=int(value))
@@ -183,22 +190,24 @@ def _length(raw: Mapping[str, Any], key: str, rank: int, index: int) -> tuple[in
     return int(value.item()), OK
 
 
+_TOKEN_CHECKS = tuple((key, dtype, SAMPLE_KEYS.index(key)) for key, dtype in TOKEN_FIELDS)
+
+
 def _token_fields(
     raw: Mapping[str, Any], length: int, rank: int, index: int
 ) -> tuple[dict[str, torch.Tensor], list[int]]:
     fields: dict[str, torch.Tensor] = {}
-    for key, dtype in TOKEN_FIELDS:
-        key_index = SAMPLE_KEYS.index(key)
-        if key not in raw:
+    for key, dtype, key_index in _TOKEN_CHECKS:
+        value = raw.get(key)
+        if value is None and key not in raw:
             return fields, record(Problem.MISSING_KEY, rank, index, a=key_index)
-        value = raw[key]
         if not isinstance(value, torch.Tensor):
             return fields, record(Problem.NOT_A_TENSOR, rank, index, a=key_index)
         if value.dtype != dtype:
             return fields, record(
                 Problem.BAD_DTYPE, rank, index, a=key_index, b=dtype_index(value.dtype), c=dtype_index(dtype)
             )
-        flat = _flat(value)
+        flat = value if value.dim() == 1 else _flat(value)
         if flat is None:
             lead = value.shape[0] if value.dim() else 0
             return fields, record(Problem.BAD_SHAPE, rank, index, a=key_index, b=value.dim(), c=lead)
@@ -206,6 +215,18 @@ def _token_fields(
             return fields, record(Problem.LENGTH_MISMATCH, rank, index, a=key_index, b=flat.numel(), c=length)
         fields[key] = flat
     return fields, OK
+
+
+_counting: dict[torch.device, torch.Tensor] = {}
+
+
+def _positions(length: int, device: torch.device) -> torch.Tensor:
+    """``0 .. length - 1`` (int64) on ``device``: a view of one counting tensor kept per device, grown on demand."""
+    counting = _counting.get(device)
+    if counting is None or counting.numel() < length:
+        size = max(length, 2 * counting.numel() if counting is not None else 4096)
+        counting = _counting[device] = torch.arange(size, dtype=torch.int64, device=device)
+    return counting[:length]
 
 
 def _sequence(
@@ -220,12 +241,13 @@ def _sequence(
         return None, record(Problem.MISALIGNED, rank, index, a=padded, b=limits.align)
     if limits.capacity is not None and padded > limits.capacity:
         return None, record(Problem.OVERSIZE, rank, index, a=-1, b=padded, c=limits.capacity)
-    positions = fields["position_ids"][start : start + original]
-    expected = torch.arange(original, dtype=positions.dtype, device=positions.device)
+    whole_ids = fields["position_ids"]
+    positions = whole_ids if start == 0 and original == whole_ids.numel() else whole_ids[start : start + original]
+    expected = _positions(original, positions.device)
     if not torch.equal(positions, expected):
         at = int(torch.nonzero(positions != expected)[0, 0])
         return None, record(Problem.BAD_POSITION_IDS, rank, index, a=at, b=int(positions[at]), c=original)
-    whole = start == 0 and all(v.numel() == padded for v in fields.values())
+    whole = start == 0 and whole_ids.numel() == padded  # every field has the same length (checked before)
     sliced = fields if whole else {k: v[start : start + padded] for k, v in fields.items()}
     return Sample(sliced, original, padded), OK
 
