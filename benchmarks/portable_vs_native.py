@@ -2,20 +2,24 @@
 and the cost of the facade's checks (the per-step agreement) on the native path.
 
 Runs 4 gloo ranks on CPU against the Megatron-LM checkout in ``$MCORE_SRC`` (dev or main pin, which
-have the native scheduler). For each layout, every step feeds the same samples to both backends on
-the same process groups, one after the other: ``wrap`` then one fetch per returned microbatch (a
-"packing step"). It prints, from this one run: the collectives each backend issued on rank 0 per
-step (counted by wrapping the ``torch.distributed`` functions inside the ranks), the step wall time
-(slowest rank, median over the steps after the warm-up ones; the backends take turns running first) and
-the ratio portable/native, and whether both backends returned identical microbatches on every rank.
+have the native scheduler). For each layout, every step feeds the same samples to each backend on
+the same process groups: ``wrap`` then one fetch per returned microbatch (a "packing step"), in
+``--repeats`` turns; in each turn the checked native step and the ``unchecked`` one run back to back
+(taking turns at going first), then the portable one. It prints, from this one run: the collectives
+each backend issued on rank 0 per step (counted by wrapping the ``torch.distributed`` functions inside
+the ranks), the step wall time (slowest rank, median over the runs after the warm-up steps) and the
+ratio portable/native, and whether both backends returned identical microbatches on every rank.
 ``unchecked`` runs the same native step on MCore's own ``wrap_data_iterator`` without the facade's
-checks and agreement: the extra collectives and the checked/unchecked wall-time ratio are the cost
-of never stranding a rank, judged against the bound (at most one collective and 5 % wall time more
-per step). Last, the latency of the agreement's all-gather alone on this machine. The default global
-batch (256 samples) is a small real one; with a few dozen samples the step is so short that one gloo
-all-gather among 4 ranks sharing 2 CPU cores (about 2 ms) alone is 5-9 % of it, while on GPUs a small
-NCCL all-gather is one of the step's hundreds of collectives. With 4 ranks on 2 cores the ratio of one
-layout still moves by several percent from run to run (how the OS places the ranks); run it twice.
+checks and agreement: the extra collectives and the checked/unchecked wall-time ratio (median over
+the turns of the two back-to-back runs, with a 95 % confidence interval) are the cost of never
+stranding a rank, judged against the bound (at most one collective and 5 % wall time more per step).
+Last, the latency of the agreement's all-gather alone on this machine.
+
+With 4 ranks sharing 2 CPU cores one run of a step varies by 10-15 % with how the OS schedules the
+ranks, hence the many paired runs (about 4 minutes at the defaults); the interval shows what is left
+of that noise. The default global batch (256 samples) is a small real one; with a few dozen samples
+the step is so short that one gloo all-gather among 4 ranks sharing 2 cores (about 2 ms) alone is
+5-9 % of it, while on GPUs a small NCCL all-gather is one of the step's hundreds of collectives.
 
     MCORE_SRC=path/to/Megatron-LM python benchmarks/portable_vs_native.py [--layouts 1x2x2,2x1x2] [--samples 256]
 """
@@ -26,6 +30,7 @@ import argparse
 import collections
 import dataclasses
 import functools
+import math
 import os
 import statistics
 import sys
@@ -150,8 +155,11 @@ def _same(a: Sequence[tuple], b: Sequence[tuple]) -> bool:
     return True
 
 
-def bench_on_rank(rank: int, world_size: int, cases: Sequence[Case], long_fraction: float) -> list[dict[str, Any]]:
-    """Per case and step: each backend's collective counts on this rank and its step time, and whether they agree."""
+def bench_on_rank(
+    rank: int, world_size: int, cases: Sequence[Case], long_fraction: float, repeats: int
+) -> list[dict[str, Any]]:
+    """Per case and step: each backend's collective counts on this rank, its time in each of ``repeats`` runs of
+    the step, and whether the backends' microbatches agree."""
     results = []
     for case in cases:
         with cpu_patches(context_parallel=case.layout.cp > 1):
@@ -163,23 +171,24 @@ def bench_on_rank(rank: int, world_size: int, cases: Sequence[Case], long_fracti
                 spec = dataclasses.replace(case.sample_spec, long_fraction=long_fraction)
                 unchecked = select_adapter(detect())  # its own instance: never wraps, so it counts no fetches
                 backends = {"native": native, "unchecked": unchecked, "portable": PortableAdapter(detect())}
+                names = list(backends)
                 for step in range(case.steps):
                     record: dict[str, Any] = {"layout": str(case.layout), "step": step, "rank": rank}
                     outputs = {}
-                    names = list(backends)
-                    order = names[step % len(names) :] + names[: step % len(names)]  # no backend always runs first
-                    for name in order:
-                        adapter = backends[name]
-                        dist.barrier()
-                        counter = CollectiveCounter()
-                        counter.install()
-                        start = time.perf_counter()
-                        try:
-                            count, outputs[name] = STEPS[name](adapter, spec, case, step, pg, config)
-                        finally:
-                            elapsed = time.perf_counter() - start
-                            counter.uninstall()
-                        record[name] = {"counts": dict(counter.counts), "seconds": elapsed, "microbatches": count}
+                    for turn in range(repeats):
+                        order = names if (step * repeats + turn) % 2 == 0 else [names[1], names[0], *names[2:]]
+                        for name in order:
+                            dist.barrier()
+                            counter = CollectiveCounter()
+                            counter.install()
+                            start = time.perf_counter()
+                            try:
+                                count, outputs[name] = STEPS[name](backends[name], spec, case, step, pg, config)
+                            finally:
+                                elapsed = time.perf_counter() - start
+                                counter.uninstall()
+                            seconds = [*record.get(name, {}).get("seconds", []), elapsed]
+                            record[name] = {"counts": dict(counter.counts), "seconds": seconds, "microbatches": count}
                     record["identical"] = _same(outputs["native"], outputs["portable"])
                     record["checks_identical"] = _same(outputs["native"], outputs["unchecked"])
                     results.append(record)
@@ -216,7 +225,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layouts", default="1x2x2,2x1x2", help="tp x cp x dp layouts of world size 4")
     parser.add_argument("--samples", type=int, default=256, help="samples per global batch")
-    parser.add_argument("--steps", type=int, default=49, help="steps per layout, warm-up steps included")
+    parser.add_argument("--steps", type=int, default=25, help="steps per layout, warm-up steps included")
+    parser.add_argument("--repeats", type=int, default=8, help="runs of each step per backend (turns)")
     parser.add_argument("--warmup", type=int, default=5, help="first steps of each layout not timed")
     parser.add_argument("--max-seqlen", type=int, default=1024, help="max_seqlen_per_dp_cp_rank")
     parser.add_argument(
@@ -225,6 +235,8 @@ def main() -> None:
     args = parser.parse_args()
     if not 0 <= args.warmup <= args.steps - 2:
         parser.error(f"--warmup {args.warmup} with --steps {args.steps}: time at least two steps after the warm-up")
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: run each step at least once")
     if not os.environ.get("MCORE_SRC"):
         parser.error("set MCORE_SRC to a Megatron-LM checkout with the native scheduler (dev or main pin)")
     sys_path, missing = locate_mcore()
@@ -245,7 +257,7 @@ def main() -> None:
                 max_seqlen_per_dp_cp_rank=args.max_seqlen,
             )
         )
-    per_rank = launch(bench_on_rank, 4, args=(cases, args.long_fraction), sys_path=sys_path, timeout=1200)
+    per_rank = launch(bench_on_rank, 4, args=(cases, args.long_fraction, args.repeats), sys_path=sys_path, timeout=1200)
 
     print(f"{detect_label(sys_path)}; world size 4 on CPU (gloo), {args.samples} samples per step, ")
     print(
@@ -257,12 +269,12 @@ def main() -> None:
         rank0 = records[0]
         identical = all(r["identical"] for rank_records in records for r in rank_records)
         print(f"\nlayout tp x cp x dp = {label}: microbatches per step {[r['native']['microbatches'] for r in rank0]}")
-        times, per_step = {}, {}
+        times, runs = {}, {}
         for name in STEPS:
             totals = [sum(r[name]["counts"].values()) for r in rank0]
             timed = range(args.warmup, case.steps)
-            per_step[name] = [max(records[k][s][name]["seconds"] for k in range(4)) for s in timed]
-            times[name] = statistics.median(per_step[name])
+            runs[name] = [t for s in timed for t in run_seconds([records[k][s][name]["seconds"] for k in range(4)])]
+            times[name] = statistics.median(runs[name])
             print(
                 f"  {name:<8} collectives on rank 0 per step: {statistics.mean(totals):6.1f} "
                 f"(step 1: {_counts_line(rank0[1][name]['counts'])}); step time {times[name] * 1e3:7.1f} ms"
@@ -274,18 +286,34 @@ def main() -> None:
         print(f"  identical microbatches on every rank and step: {'yes' if identical else 'NO'}")
         unchecked_total = statistics.mean(sum(r["unchecked"]["counts"].values()) for r in rank0)
         same = all(r["checks_identical"] for rank_records in records for r in rank_records)
-        # paired by step (the same samples ran both ways), so that steps of different sizes do not blur the ratio
-        ratio = statistics.median(c / u for c, u in zip(per_step["native"], per_step["unchecked"], strict=True))
-        extra = statistics.median(c - u for c, u in zip(per_step["native"], per_step["unchecked"], strict=True))
+        # paired by turn (the same samples, one run right after the other), so that steps of different sizes and
+        # slow phases of the machine do not blur the ratio
+        pairs = list(zip(runs["native"], runs["unchecked"], strict=True))
+        ratios = [c / u for c, u in pairs]
+        ratio, (low, high) = statistics.median(ratios), median_interval(ratios)
+        extra = statistics.median(c - u for c, u in pairs)
         print(
             f"  checks (agreement) cost: {native_total - unchecked_total:+.1f} collectives per step, "
-            f"wall time checked/unchecked {ratio:.3f} (median over steps; {extra * 1e3:+.1f} ms); "
-            f"same microbatches with and without checks: {'yes' if same else 'NO'}"
+            f"wall time checked/unchecked {ratio:.3f} (median of {len(ratios)} paired runs, 95 % interval "
+            f"{low:.3f}-{high:.3f}; {extra * 1e3:+.1f} ms); same microbatches with and without checks: "
+            f"{'yes' if same else 'NO'}"
         )
         met = native_total - unchecked_total <= 1 and ratio <= 1.05 and same
         verdict = "met" if met else "NOT met"
         print(f"  cost bound (at most +1 collective and +5 % wall time per step, same microbatches): {verdict}")
     _print_lone_collective(per_rank)
+
+
+def run_seconds(per_rank: Sequence[Sequence[float]]) -> list[float]:
+    """Each run's time of one step, from every rank's time in every run: the slowest rank's."""
+    return [max(run) for run in zip(*per_rank, strict=True)]
+
+
+def median_interval(values: Sequence[float]) -> tuple[float, float]:
+    """A distribution-free 95 % confidence interval for the median (order statistics, normal approximation)."""
+    ordered, n = sorted(values), len(values)
+    half = 0.98 * math.sqrt(n)
+    return ordered[max(0, math.floor(n / 2 - half))], ordered[min(n - 1, math.ceil(n / 2 + half))]
 
 
 def _print_lone_collective(per_rank: Sequence[Sequence[dict[str, Any]]]) -> None:
