@@ -319,16 +319,20 @@ def check_items(items: list[Any], rank: int, limits: Limits) -> tuple[list[Sampl
     """Check pulled items against the contract; returns their sequences, or the first problem."""
     raw_samples: list[Any] = []
     for index, item in enumerate(items):
-        members = item if isinstance(item, list) else [item]
-        if not members or not all(isinstance(m, dict) for m in members):
+        if isinstance(item, dict):
+            raw_samples.append(item)
+        elif isinstance(item, list) and item and all(isinstance(m, dict) for m in item):
+            raw_samples.extend(item)
+        else:
             return [], record(Problem.BAD_ITEM, rank, a=index)
-        raw_samples.extend(members)
     samples: list[Sample] = []
+    first_form = None
     for index, raw in enumerate(raw_samples):
         form = sample_form(raw)
         if form is None and "cu_seqlens" not in raw:
             return [], record(Problem.MISSING_KEY, rank, index, a=SAMPLE_KEYS.index("padded_seq_len"))
-        if form is None or form != sample_form(raw_samples[0]):
+        first_form = first_form or form
+        if form is None or form != first_form:
             return [], record(Problem.MIXED_FORMS, rank, index)
         found, verdict = (_unpacked if form == "unpacked" else _prepacked)(raw, rank, index, limits)
         if verdict != OK:
