@@ -83,6 +83,18 @@ KEY = SAMPLE_KEYS.index
         ([sample(4), sample(3, 6)], 2, record(Problem.MISALIGNED, 0, 1, a=6, b=4)),
         ([prepacked([0, 4, 6])], 2, record(Problem.MISALIGNED, 0, 0, a=2, b=4)),
         (["not a sample"], 1, record(Problem.BAD_ITEM, 0, a=0)),
+        ([sample(5000), sample(3), sample(9000)], 1, OK),
+        ([sample(3, 8, position_ids=torch.tensor([0, 1, 2, 9, 9, 9, 9, 9]))], 1, OK),
+        (
+            [sample(9000), sample(5000, position_ids=torch.arange(5000).index_fill(0, torch.tensor([4999]), 7))],
+            1,
+            record(Problem.BAD_POSITION_IDS, 0, 1, a=4999, b=7, c=5000),
+        ),
+        (
+            [{**prepacked([0, 4, 10]), "position_ids": torch.tensor([0, 1, 2, 3, 0, 1, 5, 3, 4, 5])}],
+            1,
+            record(Problem.BAD_POSITION_IDS, 0, 0, a=2, b=5, c=6),
+        ),
     ],
 )
 def test_read_step_verdicts(items, cp, expected):
