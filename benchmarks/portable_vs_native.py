@@ -1,25 +1,28 @@
-"""Collectives and wall time per packing step: the portable backend against Megatron-Core's native ``dp_balanced``,
-and the cost of the facade's checks (the per-step agreement) on the native path.
+"""Collectives and wall time per packing step: the portable backend against Megatron-Core's native
+``dp_balanced``, and the cost of the facade's checks (the per-step agreement) on the native path.
 
-Runs 4 gloo ranks on CPU against the Megatron-LM checkout in ``$MCORE_SRC`` (dev or main pin, which
-have the native scheduler). For each layout, every step feeds the same samples to each backend on
-the same process groups: ``wrap`` then one fetch per returned microbatch (a "packing step"), in
-``--repeats`` turns; in each turn the checked native step and the ``unchecked`` one run back to back
-(taking turns at going first), then the portable one. It prints, from this one run: the collectives
-each backend issued on rank 0 per step (counted by wrapping the ``torch.distributed`` functions inside
-the ranks), the step wall time (slowest rank, median over the runs after the warm-up steps) and the
-ratio portable/native, and whether both backends returned identical microbatches on every rank.
-``unchecked`` runs the same native step on MCore's own ``wrap_data_iterator`` without the facade's
-checks and agreement: the extra collectives and the checked/unchecked wall-time ratio (median over
-the turns of the two back-to-back runs, with a 95 % confidence interval) are the cost of never
-stranding a rank, judged against the bound (at most one collective and 5 % wall time more per step).
-Last, the latency of the agreement's all-gather alone on this machine.
+Runs 4 gloo ranks on CPU against the Megatron-LM checkout in ``$MCORE_SRC`` (dev or main pin, which have
+the native scheduler). For each layout, every step feeds the same samples to each backend on the same
+process groups: ``wrap`` then one fetch per returned microbatch (a "packing step"), in ``--repeats``
+turns; in each turn the native variants run back to back (taking turns at going first), then the
+portable step. It prints, from this one run: the collectives each backend issued on rank 0 per step
+(counted by wrapping the ``torch.distributed`` functions inside the ranks), the step wall time (slowest
+rank, median over the runs after the warm-up steps) and the ratio portable/native, and whether both
+backends returned identical microbatches on every rank. ``unchecked`` runs the same native step on
+MCore's own ``wrap_data_iterator`` without the facade's checks and agreement: the extra collectives and
+the checked/unchecked wall-time ratio (median over the turns of the paired runs, with a 95 % confidence
+interval) are the cost of never stranding a rank, judged against the bound (at most one collective and
+5 % wall time more per step). ``gathered`` is the unchecked step after one all-gather of the agreement's
+size: it splits that cost into what the one extra collective costs on this machine and what the checks
+and the verdict add beyond it. Last, the latency of the agreement's all-gather alone on this machine.
 
 With 4 ranks sharing 2 CPU cores one run of a step varies by 10-15 % with how the OS schedules the
-ranks, hence the many paired runs (about 4 minutes at the defaults); the interval shows what is left
-of that noise. The default global batch (256 samples) is a small real one; with a few dozen samples
-the step is so short that one gloo all-gather among 4 ranks sharing 2 cores (about 2 ms) alone is
-5-9 % of it, while on GPUs a small NCCL all-gather is one of the step's hundreds of collectives.
+ranks, hence the many paired runs (about 7 minutes at the defaults); the interval shows what is left of
+that noise. There, one more collective costs a few milliseconds by itself (a rank waits for the others
+to be scheduled), which is most of what the checks cost per step. The default global batch (256 samples)
+is a small real one; with a few dozen samples the step is so short that one gloo all-gather among 4
+ranks sharing 2 cores (about 2 ms) alone is 5-9 % of it, while on GPUs a small NCCL all-gather is one of
+the step's hundreds of collectives.
 
     MCORE_SRC=path/to/Megatron-LM python benchmarks/portable_vs_native.py [--layouts 1x2x2,2x1x2] [--samples 256]
 """
@@ -130,12 +133,25 @@ def _unchecked_step(adapter: Any, spec: SampleSpec, case: Case, step: int, pg: A
     return int(count), fetched
 
 
+def _gather_then_unchecked(
+    adapter: Any, spec: SampleSpec, case: Case, step: int, pg: Any, config: Any
+) -> tuple[int, list]:
+    """The unchecked step after one all-gather of the agreement's size over the world (no checks, no verdict)."""
+    row = torch.zeros(ROW_WIDTH, dtype=torch.int64)
+    dist.all_gather_single(torch.empty(dist.get_world_size() * ROW_WIDTH, dtype=torch.int64), row)
+    return _unchecked_step(adapter, spec, case, step, pg, config)
+
+
 STEPS: dict[str, Callable[..., tuple[int, list]]] = {
     "native": _packing_step,
     "unchecked": _unchecked_step,
+    "gathered": _gather_then_unchecked,
     "portable": _packing_step,
 }
-"""Per backend, how one packing step runs; ``unchecked`` is the native path without the agreement and checks."""
+"""Per backend, how one packing step runs: ``unchecked`` is the native path without the agreement and checks,
+``gathered`` that path after one all-gather as large as the agreement's (what the extra collective alone costs)."""
+PAIRED = ("native", "unchecked", "gathered")
+"""The native variants compared with each other: run back to back in each turn, each going first in turn."""
 
 
 def _same(a: Sequence[tuple], b: Sequence[tuple]) -> bool:
@@ -170,13 +186,18 @@ def bench_on_rank(
                 pg, config = mpu_pg_collection(), model_config(case)
                 spec = dataclasses.replace(case.sample_spec, long_fraction=long_fraction)
                 unchecked = select_adapter(detect())  # its own instance: never wraps, so it counts no fetches
-                backends = {"native": native, "unchecked": unchecked, "portable": PortableAdapter(detect())}
-                names = list(backends)
+                backends = {
+                    "native": native,
+                    "unchecked": unchecked,
+                    "gathered": unchecked,
+                    "portable": PortableAdapter(detect()),
+                }
                 for step in range(case.steps):
                     record: dict[str, Any] = {"layout": str(case.layout), "step": step, "rank": rank}
                     outputs = {}
                     for turn in range(repeats):
-                        order = names if (step * repeats + turn) % 2 == 0 else [names[1], names[0], *names[2:]]
+                        shift = (step * repeats + turn) % len(PAIRED)
+                        order = [*PAIRED[shift:], *PAIRED[:shift], "portable"]
                         for name in order:
                             dist.barrier()
                             counter = CollectiveCounter()
@@ -226,7 +247,7 @@ def main() -> None:
     parser.add_argument("--layouts", default="1x2x2,2x1x2", help="tp x cp x dp layouts of world size 4")
     parser.add_argument("--samples", type=int, default=256, help="samples per global batch")
     parser.add_argument("--steps", type=int, default=25, help="steps per layout, warm-up steps included")
-    parser.add_argument("--repeats", type=int, default=8, help="runs of each step per backend (turns)")
+    parser.add_argument("--repeats", type=int, default=9, help="runs of each step per backend (turns)")
     parser.add_argument("--warmup", type=int, default=5, help="first steps of each layout not timed")
     parser.add_argument("--max-seqlen", type=int, default=1024, help="max_seqlen_per_dp_cp_rank")
     parser.add_argument(
@@ -286,18 +307,15 @@ def main() -> None:
         print(f"  identical microbatches on every rank and step: {'yes' if identical else 'NO'}")
         unchecked_total = statistics.mean(sum(r["unchecked"]["counts"].values()) for r in rank0)
         same = all(r["checks_identical"] for rank_records in records for r in rank_records)
-        # paired by turn (the same samples, one run right after the other), so that steps of different sizes and
-        # slow phases of the machine do not blur the ratio
-        pairs = list(zip(runs["native"], runs["unchecked"], strict=True))
-        ratios = [c / u for c, u in pairs]
-        ratio, (low, high) = statistics.median(ratios), median_interval(ratios)
-        extra = statistics.median(c - u for c, u in pairs)
+        ratio, text = paired_ratio(runs["native"], runs["unchecked"])
         print(
             f"  checks (agreement) cost: {native_total - unchecked_total:+.1f} collectives per step, "
-            f"wall time checked/unchecked {ratio:.3f} (median of {len(ratios)} paired runs, 95 % interval "
-            f"{low:.3f}-{high:.3f}; {extra * 1e3:+.1f} ms); same microbatches with and without checks: "
-            f"{'yes' if same else 'NO'}"
+            f"wall time checked/unchecked {text}; same microbatches with and without checks: {'yes' if same else 'NO'}"
         )
+        _, collective = paired_ratio(runs["gathered"], runs["unchecked"])
+        _, beyond = paired_ratio(runs["native"], runs["gathered"])
+        print(f"    of which one all-gather of the agreement's size alone (gathered/unchecked): {collective}")
+        print(f"    and the checks and verdict beyond it (checked/gathered): {beyond}")
         met = native_total - unchecked_total <= 1 and ratio <= 1.05 and same
         verdict = "met" if met else "NOT met"
         print(f"  cost bound (at most +1 collective and +5 % wall time per step, same microbatches): {verdict}")
@@ -307,6 +325,21 @@ def main() -> None:
 def run_seconds(per_rank: Sequence[Sequence[float]]) -> list[float]:
     """Each run's time of one step, from every rank's time in every run: the slowest rank's."""
     return [max(run) for run in zip(*per_rank, strict=True)]
+
+
+def paired_ratio(runs: Sequence[float], baseline: Sequence[float]) -> tuple[float, str]:
+    """The median ratio of two variants' runs paired by turn, and it in words with its interval and difference.
+
+    Paired by turn (the same samples, one run right after the other), so that steps of different sizes
+    and slow phases of the machine do not blur the ratio.
+    """
+    ratios = [r / b for r, b in zip(runs, baseline, strict=True)]
+    ratio, (low, high) = statistics.median(ratios), median_interval(ratios)
+    extra = statistics.median(r - b for r, b in zip(runs, baseline, strict=True))
+    text = (
+        f"{ratio:.3f} (median of {len(ratios)} paired runs, 95 % interval {low:.3f}-{high:.3f}; {extra * 1e3:+.1f} ms)"
+    )
+    return ratio, text
 
 
 def median_interval(values: Sequence[float]) -> tuple[float, float]:
