@@ -137,9 +137,14 @@ def _gather_then_unchecked(
     adapter: Any, spec: SampleSpec, case: Case, step: int, pg: Any, config: Any
 ) -> tuple[int, list]:
     """The unchecked step after one all-gather of the agreement's size over the world (no checks, no verdict)."""
+    _agreement_sized_all_gather()
+    return _unchecked_step(adapter, spec, case, step, pg, config)
+
+
+def _agreement_sized_all_gather() -> None:
+    """One all-gather of a row as wide as the agreement's over the world, as the agreement issues it."""
     row = torch.zeros(ROW_WIDTH, dtype=torch.int64)
     dist.all_gather_single(torch.empty(dist.get_world_size() * ROW_WIDTH, dtype=torch.int64), row)
-    return _unchecked_step(adapter, spec, case, step, pg, config)
 
 
 STEPS: dict[str, Callable[..., tuple[int, list]]] = {
@@ -213,22 +218,20 @@ def bench_on_rank(
                     record["identical"] = _same(outputs["native"], outputs["portable"])
                     record["checks_identical"] = _same(outputs["native"], outputs["unchecked"])
                     results.append(record)
-    results.append({"layout": LONE_COLLECTIVE, "rank": rank, "seconds": _lone_agreement_collective(world_size)})
+    results.append({"layout": LONE_COLLECTIVE, "rank": rank, "seconds": _lone_agreement_collective()})
     return results
 
 
 LONE_COLLECTIVE = "lone agreement collective"
 
 
-def _lone_agreement_collective(world_size: int, repeats: int = 40) -> list[float]:
+def _lone_agreement_collective(repeats: int = 40) -> list[float]:
     """Seconds of the agreement's all-gather (one row per rank) alone, each started right after a barrier."""
-    row = torch.zeros(ROW_WIDTH, dtype=torch.int64)
-    out = torch.empty(world_size * ROW_WIDTH, dtype=torch.int64)
     seconds = []
     for _ in range(repeats):
         dist.barrier()
         start = time.perf_counter()
-        dist.all_gather_single(out, row)
+        _agreement_sized_all_gather()
         seconds.append(time.perf_counter() - start)
     return seconds[repeats // 4 :]
 
