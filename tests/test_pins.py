@@ -22,7 +22,7 @@ TABLE = pins.load()
 RELEASES = [p for p in TABLE.pins.values() if p.package]
 SOURCES = [p for p in TABLE.pins.values() if p.git]
 MAIN = TABLE.get("main")
-HOSTILE_PATH = "/tmp/mlm checkout; touch pwned $(touch pwned2)"
+HOSTILE_PATH = "/srv/mlm checkout; touch pwned $(touch pwned2)"
 
 VALID_PIN = """
 [python."3.11"]
@@ -238,7 +238,7 @@ def test_a_named_checkout_at_another_commit_is_refused() -> None:
         pins.resolve_source(MAIN, {"MCORE_SRC_MAIN": HOSTILE_PATH}, head=lambda p: "3" * 40, reachable=lambda u: True)
     message = str(excinfo.value)
     assert "MCORE_SRC_MAIN=" in message and "3" * 40 in message and str(MAIN.commit) in message
-    assert "'/tmp/mlm checkout; touch pwned $(touch pwned2)'" in message  # shown shell-quoted
+    assert "'/srv/mlm checkout; touch pwned $(touch pwned2)'" in message  # shown shell-quoted
 
 
 @pytest.mark.parametrize("environ", [{}, {"MCORE_SRC": "/elsewhere"}])
