@@ -207,7 +207,7 @@ def _token_fields(
             return fields, record(
                 Problem.BAD_DTYPE, rank, index, a=key_index, b=dtype_index(value.dtype), c=dtype_index(dtype)
             )
-        flat = value if value.dim() == 1 else _flat(value)
+        flat = _flat(value)
         if flat is None:
             lead = value.shape[0] if value.dim() else 0
             return fields, record(Problem.BAD_SHAPE, rank, index, a=key_index, b=value.dim(), c=lead)
