@@ -1,28 +1,30 @@
 """Collectives and wall time per packing step: the portable backend against Megatron-Core's native
 ``dp_balanced``, and the cost of the facade's checks (the per-step agreement) on the native path.
 
-Runs 4 gloo ranks on CPU against the Megatron-LM checkout in ``$MCORE_SRC`` (dev or main pin, which have
-the native scheduler). For each layout, every step feeds the same samples to each backend on the same
-process groups: ``wrap`` then one fetch per returned microbatch (a "packing step"), in ``--repeats``
-turns; in each turn the native variants run back to back (taking turns at going first), then the
-portable step. It prints, from this one run: the collectives each backend issued on rank 0 per step
-(counted by wrapping the ``torch.distributed`` functions inside the ranks), the step wall time (slowest
-rank, median over the runs after the warm-up steps) and the ratio portable/native, and whether both
-backends returned identical microbatches on every rank. ``unchecked`` runs the same native step on
-MCore's own ``wrap_data_iterator`` without the facade's checks and agreement: the extra collectives and
-the checked/unchecked wall-time ratio (median over the turns of the paired runs, with a 95 % confidence
-interval) are the cost of never stranding a rank, judged against the bound (at most one collective and
-5 % wall time more per step). ``gathered`` is the unchecked step after one all-gather of the agreement's
-size: it splits that cost into what the one extra collective costs on this machine and what the checks
-and the verdict add beyond it. Last, the latency of the agreement's all-gather alone on this machine.
+Runs gloo ranks on CPU (one group per world size among ``--layouts``) against the Megatron-LM
+checkout in ``$MCORE_SRC`` (dev or main pin, which have the native scheduler). For each layout, every
+step feeds the same samples to each backend on the same process groups: ``wrap`` then one fetch per
+returned microbatch (a "packing step"), in ``--repeats`` turns; in each turn the native variants run
+back to back (taking turns at going first), then the portable step. It prints, from this one run: the
+collectives each backend issued on rank 0 per step (counted by wrapping the ``torch.distributed``
+functions inside the ranks), the step wall time (slowest rank, median over the runs after the warm-up
+steps) and the ratio portable/native, and whether both backends returned identical microbatches on
+every rank. ``unchecked`` runs the same native step on MCore's own ``wrap_data_iterator`` without the
+facade's checks and agreement: the extra collectives and the checked/unchecked wall-time ratio (median
+over the turns of the paired runs, with a 95 % confidence interval) are the cost of never stranding a
+rank, judged against the bound (at most one collective and 5 % wall time more per step). ``gathered``
+is the unchecked step after one all-gather of the agreement's size: it splits that cost into what the
+one extra collective costs on this machine and what the checks and the verdict add beyond it. Last,
+the latency of the agreement's all-gather alone on this machine, per world size.
 
 With 4 ranks sharing 2 CPU cores one run of a step varies by 10-15 % with how the OS schedules the
 ranks, hence the many paired runs (about 7 minutes at the defaults); the interval shows what is left of
 that noise. There, one more collective costs a few milliseconds by itself (a rank waits for the others
-to be scheduled), which is most of what the checks cost per step. The default global batch (256 samples)
-is a small real one; with a few dozen samples the step is so short that one gloo all-gather among 4
-ranks sharing 2 cores (about 2 ms) alone is 5-9 % of it, while on GPUs a small NCCL all-gather is one of
-the step's hundreds of collectives.
+to be scheduled), which is most of what the checks cost per step; a layout of world size 2 (e.g.
+1x2x1) gives each rank a core of its own and shows the cost where ranks do not share cores. The
+default global batch (256 samples) is a small real one; with a few dozen samples the step is so short
+that one gloo all-gather among 4 ranks sharing 2 cores (about 2 ms) alone is 5-9 % of it, while on GPUs
+a small NCCL all-gather is one of the step's hundreds of collectives.
 
     MCORE_SRC=path/to/Megatron-LM python benchmarks/portable_vs_native.py [--layouts 1x2x2,2x1x2] [--samples 256]
 """
@@ -247,7 +249,9 @@ def _counts_line(counts: dict[str, int]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layouts", default="1x2x2,2x1x2", help="tp x cp x dp layouts of world size 4")
+    parser.add_argument(
+        "--layouts", default="1x2x2,2x1x2", help="tp x cp x dp layouts (world size 2 or more; one launch per size)"
+    )
     parser.add_argument("--samples", type=int, default=256, help="samples per global batch")
     parser.add_argument("--steps", type=int, default=25, help="steps per layout, warm-up steps included")
     parser.add_argument("--repeats", type=int, default=9, help="runs of each step per backend (turns)")
@@ -271,8 +275,8 @@ def main() -> None:
     if len(set(args.layouts.split(","))) != len(args.layouts.split(",")):
         parser.error(f"--layouts {args.layouts}: name each layout once")
     for layout in map(_layout, args.layouts.split(",")):
-        if layout.world_size != 4 or args.samples % layout.dp:
-            parser.error(f"{layout}: use world size 4 and a sample count divisible by dp")
+        if layout.world_size < 2 or args.samples % layout.dp:
+            parser.error(f"{layout}: use world size 2 or more and a sample count divisible by dp")
         cases.append(
             Case(
                 layout,
@@ -281,23 +285,29 @@ def main() -> None:
                 max_seqlen_per_dp_cp_rank=args.max_seqlen,
             )
         )
-    per_rank = launch(bench_on_rank, 4, args=(cases, args.long_fraction, args.repeats), sys_path=sys_path, timeout=1200)
+    launches = {}
+    for size in dict.fromkeys(case.layout.world_size for case in cases):
+        group = [case for case in cases if case.layout.world_size == size]
+        bench_args = (group, args.long_fraction, args.repeats)
+        launches[size] = launch(bench_on_rank, size, args=bench_args, sys_path=sys_path, timeout=1200)
 
-    print(f"{detect_label(sys_path)}; world size 4 on CPU (gloo), {args.samples} samples per step, ")
+    print(f"{detect_label(sys_path)}; gloo ranks on {os.cpu_count()} CPU cores, {args.samples} samples per step, ")
     print(
         f"max_seqlen_per_dp_cp_rank={args.max_seqlen}, {args.steps} steps per layout (the first {args.warmup} untimed)"
     )
     for case in cases:
-        label = str(case.layout)
+        label, per_rank = str(case.layout), launches[case.layout.world_size]
         records = [[r for r in rank_records if r["layout"] == label] for rank_records in per_rank]
         rank0 = records[0]
         identical = all(r["identical"] for rank_records in records for r in rank_records)
-        print(f"\nlayout tp x cp x dp = {label}: microbatches per step {[r['native']['microbatches'] for r in rank0]}")
+        microbatches = [r["native"]["microbatches"] for r in rank0]
+        print(f"\nlayout tp x cp x dp = {label} ({len(per_rank)} ranks): microbatches per step {microbatches}")
         times, runs = {}, {}
         for name in STEPS:
             totals = [sum(r[name]["counts"].values()) for r in rank0]
             timed = range(args.warmup, case.steps)
-            runs[name] = [t for s in timed for t in run_seconds([records[k][s][name]["seconds"] for k in range(4)])]
+            per_step = ([rank_records[s][name]["seconds"] for rank_records in records] for s in timed)
+            runs[name] = [t for seconds in per_step for t in run_seconds(seconds)]
             times[name] = statistics.median(runs[name])
             print(
                 f"  {name:<8} collectives on rank 0 per step: {statistics.mean(totals):6.1f} "
@@ -322,7 +332,8 @@ def main() -> None:
         met = native_total - unchecked_total <= 1 and ratio <= 1.05 and same
         verdict = "met" if met else "NOT met"
         print(f"  cost bound (at most +1 collective and +5 % wall time per step, same microbatches): {verdict}")
-    _print_lone_collective(per_rank)
+    for size, per_rank in launches.items():
+        _print_lone_collective(size, per_rank)
 
 
 def run_seconds(per_rank: Sequence[Sequence[float]]) -> list[float]:
@@ -352,11 +363,11 @@ def median_interval(values: Sequence[float]) -> tuple[float, float]:
     return ordered[max(0, math.floor(n / 2 - half))], ordered[min(n - 1, math.ceil(n / 2 + half))]
 
 
-def _print_lone_collective(per_rank: Sequence[Sequence[dict[str, Any]]]) -> None:
+def _print_lone_collective(size: int, per_rank: Sequence[Sequence[dict[str, Any]]]) -> None:
     lone = [next(r["seconds"] for r in rank_records if r["layout"] == LONE_COLLECTIVE) for rank_records in per_rank]
     slowest = [max(rank_seconds[i] for rank_seconds in lone) for i in range(len(lone[0]))]
     print(
-        f"\none agreement all-gather alone on this machine (slowest rank, median): "
+        f"\none agreement all-gather alone among {size} ranks on this machine (slowest rank, median): "
         f"{statistics.median(slowest) * 1e3:.1f} ms (compare with the checks' extra wall time above)"
     )
 
