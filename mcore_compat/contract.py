@@ -199,6 +199,9 @@ def _token_fields(
     fields: dict[str, torch.Tensor] = {}
     for key, dtype, key_index in _TOKEN_CHECKS:
         value = raw.get(key)
+        if type(value) is torch.Tensor and value.dtype == dtype and value.dim() == 1 and value.numel() == length:
+            fields[key] = value  # the common case first; the checks below name what is wrong
+            continue
         if value is None and key not in raw:
             return fields, record(Problem.MISSING_KEY, rank, index, a=key_index)
         if not isinstance(value, torch.Tensor):
@@ -218,15 +221,43 @@ def _token_fields(
 
 
 _counting: dict[torch.device, torch.Tensor] = {}
+_counting_bytes = b""
+"""The CPU counting tensor's bytes (native int64), for comparing CPU ``position_ids`` without torch dispatch."""
 
 
 def _positions(length: int, device: torch.device) -> torch.Tensor:
     """``0 .. length - 1`` (int64) on ``device``: a view of one counting tensor kept per device, grown on demand."""
+    global _counting_bytes
     counting = _counting.get(device)
     if counting is None or counting.numel() < length:
         size = max(length, 2 * counting.numel() if counting is not None else 4096)
         counting = _counting[device] = torch.arange(size, dtype=torch.int64, device=device)
+        if counting.is_cpu:
+            _counting_bytes = counting.numpy().tobytes()
     return counting[:length]
+
+
+def _wrong_position(ids: torch.Tensor, start: int, original: int) -> int | None:
+    """The first offset at which ``ids[start : start + original]`` (int64) is not ``0 .. original - 1``, or None.
+
+    A CPU tensor is compared as bytes with the counting tensor's (a few times faster than torch for short
+    sequences); other devices, and tensors numpy cannot view, with ``torch.equal``.
+    """
+    if ids.is_cpu:
+        try:
+            window = ids.numpy()[start : start + original].tobytes()
+        except (RuntimeError, TypeError):
+            window = None
+        if window is not None:
+            if len(_counting_bytes) < len(window):
+                _positions(original, ids.device)
+            if _counting_bytes.startswith(window):
+                return None
+    positions = ids[start : start + original]
+    expected = _positions(original, ids.device)
+    if torch.equal(positions, expected):
+        return None
+    return int(torch.nonzero(positions != expected)[0, 0])
 
 
 def _sequence(
@@ -242,11 +273,9 @@ def _sequence(
     if limits.capacity is not None and padded > limits.capacity:
         return None, record(Problem.OVERSIZE, rank, index, a=-1, b=padded, c=limits.capacity)
     whole_ids = fields["position_ids"]
-    positions = whole_ids if start == 0 and original == whole_ids.numel() else whole_ids[start : start + original]
-    expected = _positions(original, positions.device)
-    if not torch.equal(positions, expected):
-        at = int(torch.nonzero(positions != expected)[0, 0])
-        return None, record(Problem.BAD_POSITION_IDS, rank, index, a=at, b=int(positions[at]), c=original)
+    at = _wrong_position(whole_ids, start, original)
+    if at is not None:
+        return None, record(Problem.BAD_POSITION_IDS, rank, index, a=at, b=int(whole_ids[start + at]), c=original)
     whole = start == 0 and whole_ids.numel() == padded  # every field has the same length (checked before)
     sliced = fields if whole else {k: v[start : start + padded] for k, v in fields.items()}
     return Sample(sliced, original, padded), OK

@@ -131,3 +131,32 @@ def test_every_problem_has_a_message_that_names_a_fix(problem):
     message = str(PortablePackingError(record(problem, 1, 2, a=1, b=2, c=3)))
     assert message and "no problem" not in message
     assert any(word in message for word in ("use", "set", "pass", "pad", "feed", "truncate", "cast", "size", "drop"))
+
+
+POSITION_CASES = [
+    ([sample(4, position_ids=torch.arange(8).repeat_interleave(2)[::2][:4])], OK),  # a strided view
+    ([sample(3, 8, position_ids=torch.tensor([0, 1, 2, -1, 5, 0, 0, 0]))], OK),
+    ([sample(3, position_ids=torch.tensor([0, 2, 1]))], record(Problem.BAD_POSITION_IDS, 0, 0, a=1, b=2, c=3)),
+    ([sample(3, position_ids=torch.tensor([-1, 1, 2]))], record(Problem.BAD_POSITION_IDS, 0, 0, a=0, b=-1, c=3)),
+    (
+        [sample(20000), sample(2, position_ids=torch.tensor([0, 1 << 40]))],
+        record(Problem.BAD_POSITION_IDS, 0, 1, a=1, b=1 << 40, c=2),
+    ),
+    (
+        [{**prepacked([0, 3, 7]), "position_ids": torch.tensor([0, 1, 2, 0, 1, 2, 4])}],
+        record(Problem.BAD_POSITION_IDS, 0, 0, a=3, b=4, c=4),
+    ),
+]
+
+
+def _numpy_unavailable(self):
+    raise RuntimeError("Numpy is not available")
+
+
+@pytest.mark.parametrize("numpy_view", [True, False], ids=["bytes", "torch"])
+@pytest.mark.parametrize(("items", "expected"), POSITION_CASES)
+def test_position_ids_verdicts_do_not_depend_on_how_they_are_compared(items, expected, numpy_view, monkeypatch):
+    """CPU position_ids are compared as bytes; where numpy cannot view a tensor, torch compares them: same verdicts."""
+    if not numpy_view:
+        monkeypatch.setattr(torch.Tensor, "numpy", _numpy_unavailable)
+    assert read_step(iter(items), len(items), rank=0, cp_size=1).verdict == expected
