@@ -14,7 +14,9 @@ facade's checks and agreement: the extra collectives and the checked/unchecked w
 over the turns of the paired runs, with a 95 % confidence interval) are the cost of never stranding a
 rank, judged against the bound (at most one collective and 5 % wall time more per step). ``gathered``
 is the unchecked step after one all-gather of the agreement's size: it splits that cost into what the
-one extra collective costs on this machine and what the checks and the verdict add beyond it. Last,
+one extra collective costs on this machine and what the checks and the verdict add beyond it; the
+facade's own phases of the checked step (pulling the items, checking them, the agreement, converting
+them) are timed inside the ranks. Last,
 the latency of the agreement's all-gather alone on this machine, per world size.
 
 With 4 ranks sharing 2 CPU cores one run of a step varies by 10-15 % with how the OS schedules the
@@ -35,6 +37,7 @@ import argparse
 import collections
 import dataclasses
 import functools
+import importlib
 import math
 import os
 import statistics
@@ -116,6 +119,44 @@ class CollectiveCounter:
     def uninstall(self) -> None:
         for name, fn in self._saved.items():
             setattr(dist, name, fn)
+
+
+FACADE_PHASES = {
+    "pull": ("mcore_compat.contract", "pull"),
+    "checks": ("mcore_compat.contract", "check_items"),
+    "agreement": ("mcore_compat.adapters.native", "agree"),
+    "conversion": ("mcore_compat.adapters.native", "convert_items"),
+}
+"""The facade's own phases of a checked native step: the function each one is, by module and name."""
+
+
+class PhaseTimer:
+    """Sums the seconds spent in each of :data:`FACADE_PHASES` while installed."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = dict.fromkeys(FACADE_PHASES, 0.0)
+        self._saved: list[tuple[Any, str, Callable[..., Any]]] = []
+
+    def _wrap(self, phase: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[phase] += time.perf_counter() - start
+
+        return timed
+
+    def install(self) -> None:
+        for phase, (module_name, name) in FACADE_PHASES.items():
+            module = importlib.import_module(module_name)
+            self._saved.append((module, name, getattr(module, name)))
+            setattr(module, name, self._wrap(phase, getattr(module, name)))
+
+    def uninstall(self) -> None:
+        for module, name, fn in self._saved:
+            setattr(module, name, fn)
 
 
 def _packing_step(adapter: Any, spec: SampleSpec, case: Case, step: int, pg: Any, config: Any) -> tuple[int, list]:
@@ -207,16 +248,25 @@ def bench_on_rank(
                         order = [*PAIRED[shift:], *PAIRED[:shift], "portable"]
                         for name in order:
                             dist.barrier()
-                            counter = CollectiveCounter()
+                            counter, phases = CollectiveCounter(), PhaseTimer()
                             counter.install()
+                            if name == "native":
+                                phases.install()
                             start = time.perf_counter()
                             try:
                                 count, outputs[name] = STEPS[name](backends[name], spec, case, step, pg, config)
                             finally:
                                 elapsed = time.perf_counter() - start
+                                phases.uninstall()
                                 counter.uninstall()
                             seconds = [*record.get(name, {}).get("seconds", []), elapsed]
-                            record[name] = {"counts": dict(counter.counts), "seconds": seconds, "microbatches": count}
+                            turns = [*record.get(name, {}).get("phases", []), phases.seconds]
+                            record[name] = {
+                                "counts": dict(counter.counts),
+                                "seconds": seconds,
+                                "phases": turns,
+                                "microbatches": count,
+                            }
                     record["identical"] = _same(outputs["native"], outputs["portable"])
                     record["checks_identical"] = _same(outputs["native"], outputs["unchecked"])
                     results.append(record)
@@ -329,6 +379,20 @@ def main() -> None:
         _, beyond = paired_ratio(runs["native"], runs["gathered"])
         print(f"    of which one all-gather of the agreement's size alone (gathered/unchecked): {collective}")
         print(f"    and the checks and verdict beyond it (checked/gathered): {beyond}")
+        phase_ms = {
+            phase: statistics.median(
+                turn[phase] * 1e3
+                for rank_records in records
+                for s in timed
+                for turn in rank_records[s]["native"]["phases"]
+            )
+            for phase in FACADE_PHASES
+        }
+        print(
+            "  the facade's phases of the checked step (median per rank and run): "
+            + ", ".join(f"{phase} {ms:.2f} ms" for phase, ms in phase_ms.items())
+            + " (unchecked, MCore pulls the same items itself)"
+        )
         met = native_total - unchecked_total <= 1 and ratio <= 1.05 and same
         verdict = "met" if met else "NOT met"
         print(f"  cost bound (at most +1 collective and +5 % wall time per step, same microbatches): {verdict}")
