@@ -16,8 +16,8 @@ rank, judged against the bound (at most one collective and 5 % wall time more pe
 is the unchecked step after one all-gather of the agreement's size: it splits that cost into what the
 one extra collective costs on this machine and what the checks and the verdict add beyond it; the
 facade's own phases of the checked step (pulling the items, checking them, the agreement, converting
-them) are timed inside the ranks. Last,
-the latency of the agreement's all-gather alone on this machine, per world size.
+them) are timed inside the ranks. Last, the latency of the agreement's all-gather alone on this
+machine, per world size.
 
 With 4 ranks sharing 2 CPU cores one run of a step varies by 10-15 % with how the OS schedules the
 ranks, hence the many paired runs (about 7 minutes at the defaults); the interval shows what is left of
@@ -353,9 +353,9 @@ def main() -> None:
         microbatches = [r["native"]["microbatches"] for r in rank0]
         print(f"\nlayout tp x cp x dp = {label} ({len(per_rank)} ranks): microbatches per step {microbatches}")
         times, runs = {}, {}
+        timed = range(args.warmup, case.steps)
         for name in STEPS:
             totals = [sum(r[name]["counts"].values()) for r in rank0]
-            timed = range(args.warmup, case.steps)
             per_step = ([rank_records[s][name]["seconds"] for rank_records in records] for s in timed)
             runs[name] = [t for seconds in per_step for t in run_seconds(seconds)]
             times[name] = statistics.median(runs[name])
