@@ -151,8 +151,9 @@ class PhaseTimer:
     def install(self) -> None:
         for phase, (module_name, name) in FACADE_PHASES.items():
             module = importlib.import_module(module_name)
-            self._saved.append((module, name, getattr(module, name)))
-            setattr(module, name, self._wrap(phase, getattr(module, name)))
+            fn = getattr(module, name)
+            self._saved.append((module, name, fn))
+            setattr(module, name, self._wrap(phase, fn))
 
     def uninstall(self) -> None:
         for module, name, fn in self._saved:

@@ -247,8 +247,8 @@ def _wrong_position(ids: torch.Tensor, start: int, original: int) -> int | None:
         try:
             window = ids.numpy()[start : start + original].tobytes()
         except (RuntimeError, TypeError):
-            window = None
-        if window is not None:
+            pass  # numpy cannot view this tensor: torch compares it below
+        else:
             if len(_counting_bytes) < len(window):
                 _positions(original, ids.device)
             if _counting_bytes.startswith(window):
