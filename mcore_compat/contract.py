@@ -240,19 +240,18 @@ def _positions(length: int, device: torch.device) -> torch.Tensor:
 def _wrong_position(ids: torch.Tensor, start: int, original: int) -> int | None:
     """The first offset at which ``ids[start : start + original]`` (int64) is not ``0 .. original - 1``, or None.
 
-    A CPU tensor is compared as bytes with the counting tensor's (a few times faster than torch for short
-    sequences); other devices, and tensors numpy cannot view, with ``torch.equal``.
+    A contiguous CPU window is compared in place, as bytes, with the counting tensor's (a few times faster
+    than torch for short sequences, and no copy for long ones); other devices, strided windows and tensors
+    numpy cannot view, with ``torch.equal``.
     """
     if ids.is_cpu:
+        if len(_counting_bytes) < original * torch.int64.itemsize:
+            _positions(original, ids.device)
         try:
-            window = ids.numpy()[start : start + original].tobytes()
-        except (RuntimeError, TypeError):
-            pass  # numpy cannot view this tensor: torch compares it below
-        else:
-            if len(_counting_bytes) < len(window):
-                _positions(original, ids.device)
-            if _counting_bytes.startswith(window):
+            if _counting_bytes.startswith(ids.numpy()[start : start + original].data):
                 return None
+        except (RuntimeError, TypeError, BufferError):
+            pass  # numpy cannot view this tensor, or the window is not contiguous: torch compares it below
     positions = ids[start : start + original]
     expected = _positions(original, ids.device)
     if torch.equal(positions, expected):

@@ -136,6 +136,15 @@ def test_every_problem_has_a_message_that_names_a_fix(problem):
 POSITION_CASES = [
     ([sample(4, position_ids=torch.arange(8).repeat_interleave(2)[::2][:4])], OK),  # a strided view
     ([sample(3, 8, position_ids=torch.tensor([0, 1, 2, -1, 5, 0, 0, 0]))], OK),
+    ([sample(1, position_ids=torch.zeros(1, dtype=torch.int64).expand(1))], OK),  # stride 0, one element
+    (
+        [sample(3, position_ids=torch.zeros(1, dtype=torch.int64).expand(3))],  # stride 0: not contiguous
+        record(Problem.BAD_POSITION_IDS, 0, 0, a=1, b=0, c=3),
+    ),
+    (
+        [sample(3, position_ids=torch.tensor([[0, 9], [1, 9], [5, 9]]).T[0])],  # strided, wrong at 2
+        record(Problem.BAD_POSITION_IDS, 0, 0, a=2, b=5, c=3),
+    ),
     ([sample(3, position_ids=torch.tensor([0, 2, 1]))], record(Problem.BAD_POSITION_IDS, 0, 0, a=1, b=2, c=3)),
     ([sample(3, position_ids=torch.tensor([-1, 1, 2]))], record(Problem.BAD_POSITION_IDS, 0, 0, a=0, b=-1, c=3)),
     (
