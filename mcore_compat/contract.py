@@ -34,7 +34,16 @@ from typing import Any
 import torch
 
 from mcore_compat.errors import PackingConfigError
-from mcore_compat.portable.errors import OK, SAMPLE_KEYS, LengthKind, Problem, dtype_index, record
+from mcore_compat.portable.errors import (
+    OK,
+    SAMPLE_KEYS,
+    LengthKind,
+    Problem,
+    TensorKind,
+    dtype_index,
+    exception_index,
+    record,
+)
 
 __all__ = [
     "LENGTH_KEYS",
@@ -160,6 +169,18 @@ def _float_bits(value: float) -> int:
 
 
 _INTEGER_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
+_STRIDED = torch.strided
+
+
+def _without_data(value: torch.Tensor) -> TensorKind | None:
+    """Why a tensor cannot be packed (no data on the meta device, nested, not dense), or None."""
+    if value.is_meta:
+        return TensorKind.META
+    if value.is_nested:
+        return TensorKind.NESTED
+    if value.layout is not _STRIDED:
+        return TensorKind.LAYOUT
+    return None
 
 
 def _length(raw: Mapping[str, Any], key: str, rank: int, index: int) -> tuple[int | None, list[int]]:
@@ -199,13 +220,23 @@ def _token_fields(
     fields: dict[str, torch.Tensor] = {}
     for key, dtype, key_index in _TOKEN_CHECKS:
         value = raw.get(key)
-        if type(value) is torch.Tensor and value.dtype == dtype and value.dim() == 1 and value.numel() == length:
+        if (
+            type(value) is torch.Tensor
+            and value.dtype == dtype
+            and value.dim() == 1
+            and value.numel() == length
+            and value.layout is _STRIDED
+            and not value.is_meta
+        ):
             fields[key] = value  # the common case first; the checks below name what is wrong
             continue
         if value is None and key not in raw:
             return fields, record(Problem.MISSING_KEY, rank, index, a=key_index)
         if not isinstance(value, torch.Tensor):
             return fields, record(Problem.NOT_A_TENSOR, rank, index, a=key_index)
+        kind = _without_data(value)
+        if kind is not None:
+            return fields, record(Problem.NO_DATA, rank, index, a=key_index, b=kind)
         if value.dtype != dtype:
             return fields, record(
                 Problem.BAD_DTYPE, rank, index, a=key_index, b=dtype_index(value.dtype), c=dtype_index(dtype)
@@ -343,8 +374,22 @@ def _prepacked(raw: Mapping[str, Any], rank: int, index: int, limits: Limits) ->
     return samples, OK
 
 
-def check_items(items: list[Any], rank: int, limits: Limits) -> tuple[list[Sample], list[int]]:
-    """Check pulled items against the contract; returns their sequences, or the first problem."""
+def _unchecked(raw: Mapping[str, Any], rank: int, index: int, exc: Exception) -> list[int]:
+    """The record of a sample whose check raised: a contract key that holds no packable data, else the exception."""
+    try:
+        for key_index, key in enumerate(SAMPLE_KEYS):
+            value = raw.get(key)
+            kind = _without_data(value) if isinstance(value, torch.Tensor) else None
+            if kind is not None:
+                return record(Problem.NO_DATA, rank, index, a=key_index, b=kind)
+    except Exception:  # noqa: BLE001 - a mapping that raises on reading: the check's exception is the report
+        pass
+    return record(Problem.CHECK_FAILED, rank, index, a=exception_index(exc))
+
+
+def check_items(items: list[Any], rank: int, limits: Limits) -> tuple[list[Sample], list[int], Exception | None]:
+    """Check pulled items against the contract; returns their sequences, or the first problem (and what a check
+    raised, for a sample no check foresaw: it is reported, never raised, so that every rank fails together)."""
     raw_samples: list[Any] = []
     for index, item in enumerate(items):
         if isinstance(item, dict):
@@ -352,21 +397,24 @@ def check_items(items: list[Any], rank: int, limits: Limits) -> tuple[list[Sampl
         elif isinstance(item, list) and item and all(isinstance(m, dict) for m in item):
             raw_samples.extend(item)
         else:
-            return [], record(Problem.BAD_ITEM, rank, a=index)
+            return [], record(Problem.BAD_ITEM, rank, a=index), None
     samples: list[Sample] = []
     first_form = None
     for index, raw in enumerate(raw_samples):
-        form = sample_form(raw)
-        if form is None and "cu_seqlens" not in raw:
-            return [], record(Problem.MISSING_KEY, rank, index, a=SAMPLE_KEYS.index("padded_seq_len"))
-        first_form = first_form or form
-        if form is None or form != first_form:
-            return [], record(Problem.MIXED_FORMS, rank, index)
-        found, verdict = (_unpacked if form == "unpacked" else _prepacked)(raw, rank, index, limits)
+        try:
+            form = sample_form(raw)
+            if form is None and "cu_seqlens" not in raw:
+                return [], record(Problem.MISSING_KEY, rank, index, a=SAMPLE_KEYS.index("padded_seq_len")), None
+            first_form = first_form or form
+            if form is None or form != first_form:
+                return [], record(Problem.MIXED_FORMS, rank, index), None
+            found, verdict = (_unpacked if form == "unpacked" else _prepacked)(raw, rank, index, limits)
+        except Exception as exc:  # noqa: BLE001 - reported on every rank, re-raised here as the cause
+            return [], _unchecked(raw, rank, index, exc), exc
         if verdict != OK:
-            return [], verdict
+            return [], verdict, None
         samples.extend(found)
-    return samples, OK
+    return samples, OK, None
 
 
 @contextmanager
@@ -388,8 +436,8 @@ def read_step(data_iterator: Iterator[Any] | None, num_microbatches: int, rank: 
     items, verdict, cause = pull(data_iterator, num_microbatches, rank)
     if verdict != OK:
         return LocalBatch([], verdict, cause, items)
-    samples, verdict = check_items(items, rank, limits)
-    return LocalBatch(samples, verdict, None, items)
+    samples, verdict, cause = check_items(items, rank, limits)
+    return LocalBatch(samples, verdict, cause, items)
 
 
 # -- converting between the two forms -----------------------------------------------------------

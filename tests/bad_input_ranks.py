@@ -73,6 +73,13 @@ def _prepacked_decreasing(sample: dict) -> dict:
     return out
 
 
+class _UndecodableSample(dict):
+    """A lazily decoded sample whose decoding fails when a field is read (``get``, as the checks read it)."""
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        raise RuntimeError(f"cannot decode {key!r}")
+
+
 def mutate(name: str, item: Any, capacity: int, align: int) -> Any:
     """The item with defect ``name`` (the item is one unpacked sample dict)."""
     s = item
@@ -101,6 +108,9 @@ def mutate(name: str, item: Any, capacity: int, align: int) -> Any:
         "loss_mask_bool": lambda: _per_token(s, lambda v: v.bool(), ("loss_mask",)),
         "tokens_list": lambda: {**s, "tokens": s["tokens"].tolist()},
         "tokens_2d": lambda: {**s, "tokens": s["tokens"].reshape(-1, 1).expand(-1, 2).contiguous()},
+        "tokens_meta": lambda: _per_token(s, lambda v: v.to("meta"), ("tokens",)),
+        "loss_mask_sparse": lambda: _per_token(s, lambda v: v.to_sparse(), ("loss_mask",)),
+        "undecodable": lambda: _UndecodableSample(s),
         "zero_positions": lambda: {**s, "position_ids": torch.zeros_like(s["position_ids"])},
         "shifted_positions": lambda: {**s, "position_ids": s["position_ids"] + 1},
         "both_forms": lambda: {**s, "cu_seqlens": torch.tensor([0, n], dtype=torch.int32)},

@@ -76,6 +76,29 @@ class Problem(enum.IntEnum):
     BAD_POSITION_IDS = 22
     MICROBATCH_MISMATCH = 23
     BAD_CU_SEQLENS = 24
+    NO_DATA = 25
+    CHECK_FAILED = 26
+
+
+class TensorKind(enum.IntEnum):
+    """Why a tensor field cannot be packed (word ``b`` of a ``NO_DATA`` record)."""
+
+    META = 1
+    LAYOUT = 2
+    NESTED = 3
+
+
+CHECK_EXCEPTIONS: tuple[type[Exception], ...] = (
+    TypeError,
+    ValueError,
+    RuntimeError,
+    NotImplementedError,
+    AttributeError,
+    KeyError,
+    IndexError,
+    OverflowError,
+)
+"""Exceptions a ``CHECK_FAILED`` record can name, by index (word ``a``; anything else is 'an exception')."""
 
 
 class LengthKind(enum.IntEnum):
@@ -129,6 +152,18 @@ _BOUNDS_PROBLEMS = {
     2: "decreases at entry {c}",
     3: "has a different number of entries than cu_seqlens (difference {c})",
 }
+
+
+_TENSOR_KINDS: dict[int, str] = {
+    TensorKind.META: "a meta-device tensor (it holds no data)",
+    TensorKind.LAYOUT: "a tensor that is not dense (its layout is not torch.strided, e.g. sparse)",
+    TensorKind.NESTED: "a nested tensor",
+}
+
+
+def exception_index(exc: BaseException) -> int:
+    """Index of the first class in :data:`CHECK_EXCEPTIONS` that ``exc`` is an instance of, or -1."""
+    return next((i for i, kind in enumerate(CHECK_EXCEPTIONS) if isinstance(exc, kind)), -1)
 
 
 def describe(record: Sequence[int]) -> str:
@@ -191,6 +226,19 @@ def describe(record: Sequence[int]) -> str:
         return (
             f"{where}: {_key(a)!r} {detail}; pre-packed samples need cu_seqlens (and optionally cu_seqlens_padded) "
             "as 1-D integer tensors from 0 to the token count, never decreasing"
+        )
+    if problem is Problem.NO_DATA:
+        what = _TENSOR_KINDS.get(b, "a tensor that cannot be packed")
+        return (
+            f"{where}: {_key(a)!r} is {what}; pass every field as a dense tensor with data "
+            "(torch.strided layout, on the CPU or the GPU)"
+        )
+    if problem is Problem.CHECK_FAILED:
+        raised = CHECK_EXCEPTIONS[a].__name__ if 0 <= a < len(CHECK_EXCEPTIONS) else "an exception"
+        return (
+            f"{where} could not be checked against the data contract (checking it raised {raised}; the chained "
+            f"traceback on DP rank {rank} shows where); pass a dict of 1-D dense tensors as the data contract "
+            "describes (mcore_compat.contract)"
         )
     if problem is Problem.BAD_DTYPE:
         return (
@@ -293,14 +341,17 @@ def raise_if_bad(verdict: Sequence[int], cause: BaseException | None = None) -> 
 
 
 __all__ = [
+    "CHECK_EXCEPTIONS",
     "DTYPES",
     "OK",
     "PortablePackingError",
     "Problem",
     "SAMPLE_KEYS",
+    "TensorKind",
     "VERDICT_WIDTH",
     "describe",
     "dtype_index",
+    "exception_index",
     "raise_if_bad",
     "record",
 ]

@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcore_compat.portable.errors import OK, SAMPLE_KEYS, PortablePackingError, Problem, dtype_index, record
+from mcore_compat.portable.errors import (
+    OK,
+    SAMPLE_KEYS,
+    PortablePackingError,
+    Problem,
+    TensorKind,
+    dtype_index,
+    record,
+)
 from mcore_compat.portable.samples import read_step
 
 
@@ -124,6 +132,47 @@ def test_iterator_failures_are_recorded_not_raised(iterator, expected, cause):
     batch = read_step(iterator, 2, rank=3, cp_size=1)
     assert batch.verdict == expected
     assert (batch.cause is None) if cause is None else isinstance(batch.cause, cause)
+
+
+class _RaisingSample(dict):
+    """A sample mapping whose reads fail (e.g. a lazily decoded record)."""
+
+    def get(self, key, default=None):
+        raise KeyError(key)
+
+
+TENSOR_CASES = [
+    ([sample(4, tokens=torch.arange(4, device="meta"))], record(Problem.NO_DATA, 0, 0, a=KEY("tokens"), b=1)),
+    (
+        [sample(4, position_ids=torch.arange(4, device="meta"))],
+        record(Problem.NO_DATA, 0, 0, a=KEY("position_ids"), b=TensorKind.META),
+    ),
+    ([sample(4, loss_mask=torch.ones(4).to_sparse())], record(Problem.NO_DATA, 0, 0, a=KEY("loss_mask"), b=2)),
+    (
+        [sample(2), sample(4, labels=torch.nested.nested_tensor([torch.arange(4)]))],
+        record(Problem.NO_DATA, 0, 1, a=KEY("labels"), b=3),
+    ),
+    (
+        [sample(4, padded_seq_len=torch.tensor([4], dtype=torch.int32, device="meta"))],
+        record(Problem.NO_DATA, 0, 0, a=KEY("padded_seq_len"), b=1),
+    ),
+    (
+        [{**prepacked([0, 2, 4]), "cu_seqlens_padded": torch.tensor([0, 2, 4], device="meta")}],
+        record(Problem.NO_DATA, 0, 0, a=KEY("cu_seqlens_padded"), b=1),
+    ),
+    ([sample(2), _RaisingSample(sample(2))], record(Problem.CHECK_FAILED, 0, 1, a=5)),
+]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch warns that nested tensors are a prototype
+@pytest.mark.parametrize(("items", "expected"), TENSOR_CASES)
+def test_tensors_without_packable_data_and_samples_that_fail_to_read_are_recorded_not_raised(items, expected):
+    """Meta, sparse and nested tensors, and a mapping that raises when read: a record every rank raises, never a
+    local exception (which would strand the other ranks)."""
+    batch = read_step(iter(items), len(items), rank=0, cp_size=1)
+    assert batch.verdict == expected
+    if expected[0] == Problem.CHECK_FAILED:
+        assert isinstance(batch.cause, KeyError)  # chained on the rank that read it
 
 
 @pytest.mark.parametrize("problem", list(Problem)[1:])
