@@ -12,11 +12,14 @@ verdict (:func:`decide`) and raises :class:`~mcore_compat.portable.errors.Portab
 every loading rank at once, before anything else can hang.
 
 The row is fixed-width, so ranks that disagree on ``num_microbatches`` meet in a collective of the
-same size and learn it from the rows instead of aborting inside the transport.
+same size and learn it from the rows instead of aborting inside the transport; a ``num_microbatches``
+that is not a positive int travels in the row too (:func:`microbatch_count`), so a rank that was passed
+one raises with the others instead of alone.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,9 +28,9 @@ import torch
 import torch.distributed as dist
 
 from mcore_compat.contract import LocalBatch
-from mcore_compat.portable.errors import OK, VERDICT_WIDTH, Problem, raise_if_bad, record
+from mcore_compat.portable.errors import NOT_AN_INT, OK, VERDICT_WIDTH, Problem, raise_if_bad, record
 
-__all__ = ["ROW_WIDTH", "Row", "agree", "decide", "digest"]
+__all__ = ["ROW_WIDTH", "Row", "agree", "decide", "digest", "microbatch_count"]
 
 _FIELDS = ("num_microbatches", "loads", "dp_rank", "cp_rank", "pp_rank", "tp_rank", "count", "digest")
 ROW_WIDTH = VERDICT_WIDTH + len(_FIELDS)
@@ -56,6 +59,21 @@ class Row:
         return cls(list(words[:VERDICT_WIDTH]), *(int(w) for w in words[VERDICT_WIDTH:ROW_WIDTH]))
 
 
+def microbatch_count(num_microbatches: Any) -> int:
+    """``num_microbatches`` as the agreement carries it: the integer (a numpy or 0-d tensor integer too), or
+    :data:`~mcore_compat.portable.errors.NOT_AN_INT` for a bool or anything that is not an integer.
+
+    A rank pulls ``max(count, 0)`` items; :func:`decide` rejects a count below 1 on every rank.
+    """
+    if isinstance(num_microbatches, bool):
+        return NOT_AN_INT
+    try:
+        count = operator.index(num_microbatches)
+    except TypeError:
+        return NOT_AN_INT
+    return count if NOT_AN_INT < count < -NOT_AN_INT else NOT_AN_INT
+
+
 def digest(batch: LocalBatch | None) -> int:
     """A deterministic digest of this rank's sequence lengths (CP siblings must report the same)."""
     if batch is None:
@@ -66,10 +84,14 @@ def digest(batch: LocalBatch | None) -> int:
 def decide(rows: Sequence[Row]) -> list[int]:
     """The one verdict every rank reaches from the gathered rows (in global rank order).
 
-    In order: ranks passing different ``num_microbatches``; the data running out on every loading
+    In order: a ``num_microbatches`` below 1 or not an int; ranks passing different ``num_microbatches``;
+    the data running out on every loading
     rank at once (``EXHAUSTED`` with ``c=1``, raised as ``StopIteration``); the first loading
     rank's problem; CP siblings (same PP stage and DP rank) that were fed different lengths.
     """
+    for rank, row in enumerate(rows):
+        if row.num_microbatches < 1:
+            return record(Problem.BAD_NUM_MICROBATCHES, row.dp_rank, a=rank, b=row.num_microbatches)
     reference = rows[0].num_microbatches
     for rank, row in enumerate(rows):
         if row.num_microbatches != reference:
@@ -96,13 +118,16 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def agree(batch: LocalBatch | None, num_microbatches: int, pg_collection: Any) -> None:
-    """Join the step's agreement (``batch`` on data-loading ranks, None elsewhere); raise on every rank if bad."""
+def agree(batch: LocalBatch | None, num_microbatches: Any, pg_collection: Any) -> int:
+    """Join the step's agreement (``batch`` on data-loading ranks, None elsewhere); raise on every rank if bad.
+
+    Returns the agreed ``num_microbatches`` (a positive int, the same on every rank).
+    """
     pg = pg_collection
     verdict = list(OK) if batch is None else batch.verdict
     row = Row(
         verdict,
-        num_microbatches,
+        microbatch_count(num_microbatches),
         int(batch is not None),
         pg.dp.rank(),
         pg.cp.rank(),
@@ -122,3 +147,4 @@ def agree(batch: LocalBatch | None, num_microbatches: int, pg_collection: Any) -
     outcome = decide([Row.from_words(w) for w in table])
     own = batch is not None and list(batch.verdict) == outcome
     raise_if_bad(outcome, batch.cause if own and batch is not None else None)
+    return row.num_microbatches

@@ -136,6 +136,8 @@ def pull(data_iterator: Any, num_microbatches: int, rank: int) -> tuple[list[Any
     """``next()`` the raw iterator ``num_microbatches`` times; a failure becomes a problem record."""
     if data_iterator is None:
         return [], record(Problem.NO_ITERATOR, rank), None
+    if not callable(getattr(type(data_iterator), "__next__", None)):
+        return [], record(Problem.NOT_AN_ITERATOR, rank), None
     items: list[Any] = []
     for index in range(num_microbatches):
         try:

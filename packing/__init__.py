@@ -176,14 +176,12 @@ def wrap_data_iterator_for_global_batch_packing(
     TP ranks, so track "already wrapped" with a flag. ``seqlen_sum`` and ``seqlen_squared_sum`` are the sum
     of the padded sample lengths and of their squares over the global batch, for FLOPs accounting.
 
-    Raises ``PackingConfigError`` or ``UnsupportedPinError`` on every rank before any collective.
+    Raises ``PackingConfigError`` or ``UnsupportedPinError`` on every rank before any collective; a
+    ``num_microbatches`` that is not a positive int on some rank, or differs between ranks, is found in the
+    step's agreement collective and raised there on every rank (``PackingConfigError``), as is bad data
+    (``BadSampleError``).
     """
     _require_pg_collection(pg_collection)
-    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
-        raise PackingConfigError(
-            f"num_microbatches={num_microbatches!r}: pass the positive int number of samples each "
-            "data-parallel rank pulls this step (get_num_microbatches())"
-        )
     _require_groups(pg_collection)
     chosen = adapter()
     runtime.check_settings(model_config, pg_collection.dp_cp.size(), chosen.dynamic_cp_enabled(model_config))

@@ -37,11 +37,13 @@ class BadInput:
     index: int = 1
     config: tuple[tuple[str, Any], ...] = ()
     drop: tuple[str, ...] = ()
-    num_microbatches: int | None = None
+    num_microbatches: Any = None
     extra_fetch: bool = False
     cp_rank: int | None = None
     layouts: tuple[str, ...] = ()
     """Only these layouts (``str(Layout)``); all when empty."""
+    dynamic_cp: bool = False
+    """Run with ``default_dynamic_cp`` on dynamic-CP groups (the model support applied, as a trainer does)."""
 
 
 def _per_token(sample: dict, fn: Callable[[torch.Tensor], torch.Tensor], keys: Sequence[str]) -> dict:
@@ -154,6 +156,8 @@ def _source(case: Case, bad: BadInput, pg: Any) -> Iterator[Any] | None:
         return iter([next(source) for _ in range(bad.index)])
     if bad.mutation == "raising":
         return _Raising(source, bad.index)
+    if bad.mutation == "list":
+        return [next(source) for _ in range(case.num_microbatches)]  # type: ignore[return-value]
     capacity = case.max_seqlen_per_dp_cp_rank * case.layout.cp
     align = case.sample_spec.multiple
     return _Mutated(source, bad.index, lambda item: mutate(bad.mutation, item, capacity, align))  # type: ignore[arg-type]
@@ -219,22 +223,36 @@ def bad_inputs_on_rank(
     rank: int, world_size: int, layout: Layout, cases: Sequence[BadInput], base: dict[str, Any]
 ) -> dict[str, Any]:
     """Every case on this rank for one layout, in one process group; also reports the backend."""
+    import packing
     from mcore_compat import adapter
 
-    case = Case(layout, steps=1, **base)
     outcomes = []
+    runs = (
+        (Case(layout, steps=1, **base), [bad for bad in cases if not bad.dynamic_cp]),
+        (Case(layout, "default_dynamic_cp", dynamic_cp=True, steps=1, **base), [b for b in cases if b.dynamic_cp]),
+    )
     with cpu_patches(context_parallel=layout.cp > 1, dynamic_cp=True):
         state = importlib.import_module("megatron.core.parallel_state")
-        state.initialize_model_parallel(
-            tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=1, context_parallel_size=layout.cp
-        )
-        try:
-            pg = mpu_pg_collection()
-            for bad in cases:
-                if bad.layouts and str(layout) not in bad.layouts:
-                    continue
-                outcomes.append(_run(bad, case, pg, rank))
-                dist.barrier()
-        finally:
-            state.destroy_model_parallel()
+        for case, group in runs:
+            if not group:
+                continue
+            keywords: dict[str, Any] = {}
+            if case.dynamic_cp:
+                packing.enable_dynamic_cp_model_support()
+                keywords = packing.dynamic_cp_initialize_keywords(1)
+            state.initialize_model_parallel(
+                tensor_model_parallel_size=layout.tp,
+                pipeline_model_parallel_size=1,
+                context_parallel_size=layout.cp,
+                **keywords,
+            )
+            try:
+                pg = mpu_pg_collection()
+                for bad in group:
+                    if bad.layouts and str(layout) not in bad.layouts:
+                        continue
+                    outcomes.append(_run(bad, case, pg, rank))
+                    dist.barrier()
+            finally:
+                state.destroy_model_parallel()
     return {"backend": adapter().backend, "generation": adapter().capabilities.generation, "outcomes": outcomes}

@@ -68,9 +68,32 @@ CASES: list[tuple[BadInput, str, tuple[str, ...]]] = [
     ),
     (BadInput("one rank exhausted", "exhausted", index=2), BAD, ("DP rank 1", "StopIteration after 2", "size the")),
     (BadInput("every rank exhausted", "exhausted", dp_rank=None, index=0), "StopIteration", ("exhausted on every",)),
+    (BadInput("a list, not an iterator", "list", dp_rank=0), BAD, ("DP rank 0", "not an iterator", "iter(")),
     (BadInput("iterator raises", "raising", dp_rank=0, index=1), BAD, ("DP rank 0", "raised an exception", "fix")),
-    (BadInput("num_microbatches differs", num_microbatches=3), BAD, ("num_microbatches differs", "passed 3")),
-    (BadInput("num_microbatches zero", num_microbatches=0, dp_rank=None), "ValueError", ("num_microbatches=0",)),
+    (BadInput("num_microbatches differs", num_microbatches=3), CONFIG, ("num_microbatches differs", "passed 3")),
+    (BadInput("num_microbatches zero", num_microbatches=0, dp_rank=None), CONFIG, ("num_microbatches=0",)),
+    (
+        BadInput("num_microbatches zero on one rank", num_microbatches=0),
+        CONFIG,
+        ("num_microbatches=0", "DP rank 1", "same on every rank"),
+    ),
+    (
+        BadInput("num_microbatches a float on one rank", num_microbatches=4.0, dp_rank=0),
+        CONFIG,
+        ("num_microbatches is not an int", "DP rank 0"),
+    ),
+    (
+        BadInput("num_microbatches differs, dynamic CP", num_microbatches=3, dynamic_cp=True),
+        CONFIG,
+        ("num_microbatches differs", "passed 3"),
+    ),
+    (
+        BadInput("num_microbatches zero on one rank, dynamic CP", num_microbatches=0, dp_rank=0, dynamic_cp=True),
+        CONFIG,
+        ("num_microbatches=0", "DP rank 0"),
+    ),
+    (BadInput("missing key, dynamic CP", "drop_labels", dynamic_cp=True), BAD, ("DP rank 1", "'labels'")),
+    (BadInput("tokens on the meta device, dynamic CP", "tokens_meta", dynamic_cp=True), BAD, ("'tokens'", "meta")),
     (
         BadInput("capacity None", config=(("max_seqlen_per_dp_cp_rank", None),)),
         CONFIG,
@@ -100,6 +123,7 @@ CASES: list[tuple[BadInput, str, tuple[str, ...]]] = [
     (BadInput("scheduler None", config=(("sequence_packing_scheduler", None),)), CONFIG, ("scheduler name",)),
     (BadInput("extra fetch", extra_fetch=True), "ok", ()),
     (BadInput("good input", dp_rank=None), "ok", ()),
+    (BadInput("good input, dynamic CP", dp_rank=None, dynamic_cp=True), "ok", ()),
 ]
 
 

@@ -402,8 +402,10 @@ BAD_WRAP_INPUT = [
     ("dp_balanced", 4, False, ("pg_collection=None", "ProcessGroupCollection")),
     ("dp_balanced", 0, True, ("num_microbatches=0", "get_num_microbatches()")),
     ("dp_balanced", -1, True, ("num_microbatches=-1", "positive int")),
-    ("dp_balanced", True, True, ("num_microbatches=True", "positive int")),
-    ("dp_balanced", 4.0, True, ("num_microbatches=4.0", "positive int")),
+    ("dp_balanced", True, True, ("num_microbatches is not an int", "positive int")),
+    ("dp_balanced", 4.0, True, ("num_microbatches is not an int", "positive int")),
+    ("dp_balanced", "4", True, ("num_microbatches is not an int", "positive int")),
+    ("dp_balanced", None, True, ("num_microbatches is not an int", "positive int")),
     (None, 4, True, ("sequence_packing_scheduler=None", "'dp_balanced'")),
     (3, 4, True, ("sequence_packing_scheduler=3", "'dp_balanced'")),
     (mock.Mock(), 4, True, ("sequence_packing_scheduler=<Mock", "'dp_balanced'")),
@@ -420,6 +422,8 @@ def test_bad_wrap_input_fails_before_mcore(
     with pytest.raises(ValueError) as excinfo:
         packing.wrap_data_iterator_for_global_batch_packing(raw, packing_config(scheduler), num_microbatches, pgc)
     assert all(f in str(excinfo.value) for f in fragments), str(excinfo.value)
+    if num_microbatches != 4:
+        assert isinstance(excinfo.value, packing.PackingConfigError)
     if scheduler == "nope":
         assert "mcore-compat pin" not in str(excinfo.value), "a typo gets no pin advice"
     assert fake_mcore.calls["wrap_data_iterator"] == []

@@ -162,8 +162,8 @@ def test_config_errors():
     with pytest.raises(packing.PackingConfigError, match="dp=0"):
         alignment_multiple(dynamic_cp=False, dp=0, cp=1, tp=1, sequence_parallel=False)
     groups = SimpleNamespace(tp=None)
-    with pytest.raises(packing.PackingConfigError, match="num_microbatches=0"):
-        packing.wrap_data_iterator_for_global_batch_packing(iter([]), SimpleNamespace(), 0, groups)
+    with pytest.raises(packing.PackingConfigError, match="pg_collection has no tp, pp, cp, dp, dp_cp group"):
+        packing.wrap_data_iterator_for_global_batch_packing(iter([]), SimpleNamespace(), 4, groups)
     with pytest.raises(packing.PackingConfigError, match="pg_collection=None"):
         packing.get_batch_for_global_batch_packing(iter([]), SimpleNamespace(), pg_collection=None, vp_stage=None)
 

@@ -15,7 +15,7 @@ from mcore_compat.adapters.base import (
     RoutePrebuilder,
     WrapResult,
 )
-from mcore_compat.agreement import agree
+from mcore_compat.agreement import agree, microbatch_count
 from mcore_compat.capabilities import Capabilities
 
 if TYPE_CHECKING:
@@ -144,7 +144,8 @@ class NativeSchedulerAdapter(PackingAdapter):
         with collection_paused():  # the step's short-lived check objects must not age into a full collection
             if self.rank_loads_data(pg_collection):
                 source, position = self._stage_source(data_iterator, model_config)
-                batch = read_step(source, num_microbatches, pg_collection.dp.rank(), limits)
+                pulls = max(microbatch_count(num_microbatches), 0)  # a bad count is rejected in the agreement
+                batch = read_step(source, pulls, pg_collection.dp.rank(), limits)
             agree(batch, num_microbatches, pg_collection)
         iterator: Any
         if batch is None:

@@ -41,7 +41,7 @@ import torch
 import mcore_compat.dynamic_cp as dynamic_cp_support
 import mcore_compat.runtime as runtime
 from mcore_compat.adapters.base import DYNAMIC_CP_SCHEDULERS, PackedBatch, PackingAdapter, RoutePrebuilder, WrapResult
-from mcore_compat.agreement import agree
+from mcore_compat.agreement import agree, microbatch_count
 from mcore_compat.capabilities import Capabilities
 from mcore_compat.contract import LocalBatch, read_step
 from mcore_compat.errors import PackingConfigError, UnsupportedPinError
@@ -190,13 +190,14 @@ class PortableAdapter(PackingAdapter):
         if self.dynamic_cp_enabled(model_config):
             return self._wrap_dynamic(data_iterator, model_config, num_microbatches, pg_collection, settings)
         tp, pp = pg_collection.tp, pg_collection.pp
-        device = exchange.group_device(pg_collection.dp_cp)
         batch = None
         if self.rank_loads_data(pg_collection):
             limits = runtime.step_limits(model_config, pg_collection, dynamic_cp=False)
             source = self._stage_iterator(data_iterator, settings)
-            batch = read_step(source, num_microbatches, pg_collection.dp.rank(), limits)
-        agree(batch, num_microbatches, pg_collection)
+            pulls = max(microbatch_count(num_microbatches), 0)  # a bad count is rejected in the agreement
+            batch = read_step(source, pulls, pg_collection.dp.rank(), limits)
+        num_microbatches = agree(batch, num_microbatches, pg_collection)
+        device = exchange.group_device(pg_collection.dp_cp)
         if tp.rank() != 0:
             words = exchange.broadcast_fixed(None, _STEP_WIDTH, tp, device)
             raise_if_bad(words[:VERDICT_WIDTH])
@@ -227,13 +228,18 @@ class PortableAdapter(PackingAdapter):
         min_size = dynamic_cp_support.check_dynamic_cp_rules(self.capabilities, model_config, pg)
         dynamic_cp_support.require_dynamic_cp_groups(self.capabilities, pg.dp_cp.size(), min_size)
         tp = pg.tp
+        batch = None
+        if tp.rank() == 0:
+            pulls = max(microbatch_count(num_microbatches), 0)  # a bad count is rejected in the agreement
+            batch = read_portable_step(data_iterator, pulls, pg.dp.rank(), 1)
+        num_microbatches = agree(batch, num_microbatches, pg)  # before the length gather, whose width it sets
         device = exchange.group_device(pg.dp_cp)
-        if tp.rank() != 0:
+        if batch is None:
             words = exchange.broadcast_fixed(None, _STEP_WIDTH, tp, device)
             raise_if_bad(words[:VERDICT_WIDTH])
             count, seqlen_sum, squared_sum = words[VERDICT_WIDTH:]
             return WrapResult(self._iterators(None, pg, settings), count, float(seqlen_sum), float(squared_sum))
-        step = self._pack_dynamic_step(data_iterator, num_microbatches, pg, settings, min_size, device)
+        step = self._pack_dynamic_step(batch, num_microbatches, pg, settings, min_size, device)
         exchange.broadcast_fixed(
             [*step.verdict, step.count, step.seqlen_sum, step.seqlen_squared_sum], _STEP_WIDTH, tp, device
         )
@@ -243,10 +249,10 @@ class PortableAdapter(PackingAdapter):
 
     @staticmethod
     def _pack_dynamic_step(
-        data_iterator: Any, num_microbatches: int, pg: Any, settings: Settings, min_size: int, device: torch.device
+        batch: LocalBatch, num_microbatches: int, pg: Any, settings: Settings, min_size: int, device: torch.device
     ) -> Step:
+        """Plan and route the agreed step under dynamic CP (alignment and capacity are judged on the pool)."""
         dp, cp, dp_cp = pg.dp, pg.cp, pg.dp_cp
-        batch = read_portable_step(data_iterator, num_microbatches, dp.rank(), 1)
         reports = exchange.gather_lengths(batch, dp.rank(), cp.rank(), dp_cp, num_microbatches, device)
         pool = dp_cp.size()
         verdict = judge(

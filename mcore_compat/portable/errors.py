@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from mcore_compat.errors import BadSampleError
+from mcore_compat.errors import BadSampleError, PackingConfigError
 
 SAMPLE_KEYS: tuple[str, ...] = (
     "tokens",
@@ -47,6 +47,9 @@ DTYPES: tuple[torch.dtype, ...] = (
 VERDICT_WIDTH = 6
 """``(code, rank, sample, a, b, c)``."""
 
+NOT_AN_INT = -(1 << 62)
+"""The word that stands for a ``num_microbatches`` that is not an integer (or is a bool)."""
+
 
 class Problem(enum.IntEnum):
     """What went wrong; 0 means nothing."""
@@ -78,6 +81,8 @@ class Problem(enum.IntEnum):
     BAD_CU_SEQLENS = 24
     NO_DATA = 25
     CHECK_FAILED = 26
+    BAD_NUM_MICROBATCHES = 27
+    NOT_AN_ITERATOR = 28
 
 
 class TensorKind(enum.IntEnum):
@@ -176,6 +181,11 @@ def describe(record: Sequence[int]) -> str:
             f"data_iterator=None on DP rank {rank}, a rank that loads data (TP rank 0 of a data-owning pipeline "
             "stage); pass the raw sample iterator there and None only on the other TP ranks"
         )
+    if problem is Problem.NOT_AN_ITERATOR:
+        return (
+            f"data_iterator on DP rank {rank} is not an iterator (it has no __next__: e.g. a list or a DataLoader); "
+            "pass iter(...) of it"
+        )
     if problem is Problem.EXHAUSTED and c:
         return (
             "data_iterator is exhausted on every data-loading rank (no samples left for this step); "
@@ -220,6 +230,12 @@ def describe(record: Sequence[int]) -> str:
         return (
             f"num_microbatches differs between ranks: global rank {a} (DP rank {rank}) passed {b}, global rank 0 "
             f"passed {c}; pass the same num_microbatches (get_num_microbatches()) on every rank"
+        )
+    if problem is Problem.BAD_NUM_MICROBATCHES:
+        value = "num_microbatches is not an int" if b == NOT_AN_INT else f"num_microbatches={b}"
+        return (
+            f"{value} on global rank {a} (DP rank {rank}); pass the positive int number of samples each "
+            "data-parallel rank pulls this step (get_num_microbatches()), the same on every rank"
         )
     if problem is Problem.BAD_CU_SEQLENS:
         detail = _BOUNDS_PROBLEMS.get(b, "is invalid").format(c=c)
@@ -316,12 +332,8 @@ def record(problem: Problem, rank: int = -1, sample: int = -1, a: int = 0, b: in
 OK: list[int] = record(Problem.NONE)
 
 
-class PortablePackingError(BadSampleError):
-    """Bad packing input, raised with the same message on every rank of the step, on either backend.
-
-    Catch :class:`mcore_compat.errors.BadSampleError`; the name dates from when only the portable
-    backend agreed on a verdict.
-    """
+class _AgreedError(ValueError):
+    """An error built from a problem record, so that every rank raises it with the same message."""
 
     def __init__(self, verdict: Sequence[int]) -> None:
         self.verdict = [int(v) for v in verdict]
@@ -329,12 +341,28 @@ class PortablePackingError(BadSampleError):
         super().__init__(describe(self.verdict))
 
 
+class PortablePackingError(_AgreedError, BadSampleError):
+    """Bad packing input, raised with the same message on every rank of the step, on either backend.
+
+    Catch :class:`mcore_compat.errors.BadSampleError`; the name dates from when only the portable
+    backend agreed on a verdict.
+    """
+
+
+class AgreedConfigError(_AgreedError, PackingConfigError):
+    """A step argument that is wrong on some rank (``num_microbatches``), raised on every rank of the step."""
+
+
+CONFIG_PROBLEMS = frozenset({Problem.BAD_NUM_MICROBATCHES, Problem.MICROBATCH_MISMATCH})
+"""Problems with the trainer's per-step arguments, raised as :class:`AgreedConfigError`."""
+
+
 def raise_if_bad(verdict: Sequence[int], cause: BaseException | None = None) -> None:
     """Raise for a bad verdict: ``StopIteration`` when every rank's data ran out together or a fetch came after
     the last packed microbatch, else the packing error."""
     if int(verdict[0]) == Problem.NONE:
         return
-    error = PortablePackingError(verdict)
+    error = (AgreedConfigError if int(verdict[0]) in CONFIG_PROBLEMS else PortablePackingError)(verdict)
     if (error.problem is Problem.EXHAUSTED and int(verdict[5])) or error.problem is Problem.PACKED_EXHAUSTED:
         raise StopIteration(str(error)) from cause
     raise error from cause
@@ -342,7 +370,10 @@ def raise_if_bad(verdict: Sequence[int], cause: BaseException | None = None) -> 
 
 __all__ = [
     "CHECK_EXCEPTIONS",
+    "CONFIG_PROBLEMS",
     "DTYPES",
+    "NOT_AN_INT",
+    "AgreedConfigError",
     "OK",
     "PortablePackingError",
     "Problem",

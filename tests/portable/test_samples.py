@@ -124,6 +124,7 @@ def test_prepacked_samples_are_split_and_empty_segments_dropped():
     ("iterator", "expected", "cause"),
     [
         (None, record(Problem.NO_ITERATOR, 3), None),
+        ([sample(2), sample(2)], record(Problem.NOT_AN_ITERATOR, 3), None),
         (iter([sample(2)]), record(Problem.EXHAUSTED, 3, a=1, b=2), StopIteration),
         (Exploding(), record(Problem.ITERATOR_FAILED, 3, a=0), KeyError),
     ],
