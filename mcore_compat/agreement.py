@@ -2,14 +2,17 @@
 
 Before the scheduler's first collective, each data-loading rank pulls its ``num_microbatches``
 items and checks them against :mod:`mcore_compat.contract`; then *every* rank of the job joins one
-small ``all_gather`` of a fixed-width row (its verdict, ``num_microbatches``, coordinates and a
-digest of its sequence lengths). The group is the default (world) group: the ranks that could be
-left waiting on a failed rank span the DP x CP groups of the loading ranks, the TP groups that
-wait for their TP rank 0, and the PP stages that wait for each other at the trainer's next
-send/recv, which together are every rank. From the gathered rows every rank computes the same
-verdict (:func:`decide`) and raises :class:`~mcore_compat.portable.errors.PortablePackingError`
-(a :class:`~mcore_compat.errors.BadSampleError`), or ``StopIteration`` when the data ran out on
-every loading rank at once, before anything else can hang.
+small ``all_gather`` of a fixed-width row (its verdict, ``num_microbatches``, coordinates, a
+digest of its sequence lengths and the packing settings it read from its model config). The group
+is the default (world) group: the ranks that could be left waiting on a failed rank span the DP x CP
+groups of the loading ranks, the TP groups that wait for their TP rank 0, and the PP stages that wait
+for each other at the trainer's next send/recv, which together are every rank. From the gathered rows
+every rank computes the same verdict (:func:`decide`) and raises
+:class:`~mcore_compat.portable.errors.PortablePackingError` (a :class:`~mcore_compat.errors.BadSampleError`)
+for bad data, :class:`~mcore_compat.portable.errors.AgreedConfigError` (a
+:class:`~mcore_compat.errors.PackingConfigError`) for per-step arguments or settings that are wrong on
+some rank, or ``StopIteration`` when the data ran out on every loading rank at once, before anything
+else can hang.
 
 The row is fixed-width, so ranks that disagree on ``num_microbatches`` meet in a collective of the
 same size and learn it from the rows instead of aborting inside the transport; a ``num_microbatches``
@@ -28,12 +31,21 @@ import torch
 import torch.distributed as dist
 
 from mcore_compat.contract import LocalBatch
-from mcore_compat.portable.errors import NOT_AN_INT, OK, VERDICT_WIDTH, Problem, raise_if_bad, record
+from mcore_compat.portable.errors import (
+    NOT_AN_INT,
+    OK,
+    SETTINGS_FIELDS,
+    VERDICT_WIDTH,
+    Problem,
+    raise_if_bad,
+    record,
+)
+from mcore_compat.runtime import settings_words
 
 __all__ = ["ROW_WIDTH", "Row", "agree", "decide", "digest", "microbatch_count"]
 
 _FIELDS = ("num_microbatches", "loads", "dp_rank", "cp_rank", "pp_rank", "tp_rank", "count", "digest")
-ROW_WIDTH = VERDICT_WIDTH + len(_FIELDS)
+ROW_WIDTH = VERDICT_WIDTH + len(_FIELDS) + len(SETTINGS_FIELDS)
 _DIGEST_MASK = (1 << 62) - 1
 
 
@@ -50,13 +62,16 @@ class Row:
     tp_rank: int
     count: int
     digest: int
+    settings: Sequence[int] = ()
 
     def words(self) -> list[int]:
-        return [*self.verdict, *(int(getattr(self, name)) for name in _FIELDS)]
+        return [*self.verdict, *(int(getattr(self, name)) for name in _FIELDS), *self.settings]
 
     @classmethod
     def from_words(cls, words: Sequence[int]) -> Row:
-        return cls(list(words[:VERDICT_WIDTH]), *(int(w) for w in words[VERDICT_WIDTH:ROW_WIDTH]))
+        end = VERDICT_WIDTH + len(_FIELDS)
+        fields = dict(zip(_FIELDS, (int(w) for w in words[VERDICT_WIDTH:end]), strict=True))
+        return cls(list(words[:VERDICT_WIDTH]), **fields, settings=[int(w) for w in words[end:ROW_WIDTH]])
 
 
 def microbatch_count(num_microbatches: Any) -> int:
@@ -85,7 +100,7 @@ def decide(rows: Sequence[Row]) -> list[int]:
     """The one verdict every rank reaches from the gathered rows (in global rank order).
 
     In order: a ``num_microbatches`` below 1 or not an int; ranks passing different ``num_microbatches``;
-    the data running out on every loading
+    ranks reading different packing settings from their model config; the data running out on every loading
     rank at once (``EXHAUSTED`` with ``c=1``, raised as ``StopIteration``); the first loading
     rank's problem; CP siblings (same PP stage and DP rank) that were fed different lengths.
     """
@@ -96,6 +111,10 @@ def decide(rows: Sequence[Row]) -> list[int]:
     for rank, row in enumerate(rows):
         if row.num_microbatches != reference:
             return record(Problem.MICROBATCH_MISMATCH, row.dp_rank, a=rank, b=row.num_microbatches, c=reference)
+    for rank, row in enumerate(rows):
+        for field, (value, first) in enumerate(zip(row.settings, rows[0].settings, strict=True)):
+            if value != first:
+                return record(Problem.SETTINGS_MISMATCH, row.dp_rank, field, a=rank, b=value, c=first)
     loading = [row for row in rows if row.loads]
     problems = [list(row.verdict) for row in loading if row.verdict[0] != Problem.NONE]
     if problems and len(problems) == len(loading) and all(p[0] == Problem.EXHAUSTED and p[3] == 0 for p in problems):
@@ -118,7 +137,7 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def agree(batch: LocalBatch | None, num_microbatches: Any, pg_collection: Any) -> int:
+def agree(batch: LocalBatch | None, num_microbatches: Any, pg_collection: Any, model_config: Any) -> int:
     """Join the step's agreement (``batch`` on data-loading ranks, None elsewhere); raise on every rank if bad.
 
     Returns the agreed ``num_microbatches`` (a positive int, the same on every rank).
@@ -135,6 +154,7 @@ def agree(batch: LocalBatch | None, num_microbatches: Any, pg_collection: Any) -
         pg.tp.rank(),
         0 if batch is None else len(batch.samples),
         digest(batch),
+        settings_words(model_config),
     )
     words = row.words()
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:

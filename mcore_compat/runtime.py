@@ -9,10 +9,12 @@ or failing inside Megatron-Core. The config is identical on every rank, so raisi
 from __future__ import annotations
 
 import enum
+import zlib
 from typing import Any
 
 from mcore_compat.contract import Limits, alignment_multiple
 from mcore_compat.errors import PackingConfigError
+from mcore_compat.portable.errors import SETTINGS_FIELDS
 
 __all__ = [
     "check_dynamic_cp_flags",
@@ -21,6 +23,7 @@ __all__ = [
     "max_seqlen_per_dp_cp_rank",
     "require_fields",
     "scheduler_name",
+    "settings_words",
     "step_limits",
 ]
 
@@ -126,3 +129,23 @@ def step_limits(model_config: Any, pg_collection: Any, dynamic_cp: bool) -> Limi
         sequence_parallel=getattr(model_config, "sequence_parallel", False) is True,
     )
     return Limits(align, capacity * cp * (dp if dynamic_cp else 1))
+
+
+def _word(value: Any) -> int:
+    """One setting as an int64 word: a bool as 0/1, an int as itself, a string by CRC-32, anything else -1."""
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int):
+        return value if -(1 << 62) < value < 1 << 62 else -1
+    if isinstance(value, str):
+        return zlib.crc32(value.encode())
+    return 0 if value is None else -1
+
+
+def settings_words(model_config: Any) -> list[int]:
+    """The fields of :data:`~mcore_compat.portable.errors.SETTINGS_FIELDS` as words the agreement compares.
+
+    Ranks that read a step with different settings would schedule different bins and then wait in
+    different collectives; comparing them in the agreement makes every rank raise instead.
+    """
+    return [_word(getattr(model_config, name, None)) for name in SETTINGS_FIELDS]

@@ -42,6 +42,8 @@ class BadInput:
     cp_rank: int | None = None
     layouts: tuple[str, ...] = ()
     """Only these layouts (``str(Layout)``); all when empty."""
+    rank_config: tuple[tuple[str, Any], ...] = ()
+    """Model-config overrides on the ranks ``dp_rank`` names only (ranks that read different settings)."""
     dynamic_cp: bool = False
     """Run with ``default_dynamic_cp`` on dynamic-CP groups (the model support applied, as a trainer does)."""
 
@@ -179,10 +181,13 @@ class Outcome:
     tokens: list[list[int]] = field(default_factory=list)
 
 
-def _config(case: Case, bad: BadInput) -> SimpleNamespace:
+def _config(case: Case, bad: BadInput, dp_rank: int) -> SimpleNamespace:
     config = model_config(case)
     for key, value in bad.config:
         setattr(config, key, value)
+    if bad.dp_rank is None or bad.dp_rank == dp_rank:
+        for key, value in bad.rank_config:
+            setattr(config, key, value)
     for key in bad.drop:
         delattr(config, key)
     return config
@@ -191,7 +196,7 @@ def _config(case: Case, bad: BadInput) -> SimpleNamespace:
 def _run(bad: BadInput, case: Case, pg: Any, rank: int) -> Outcome:
     import packing
 
-    config = _config(case, bad)
+    config = _config(case, bad, pg.dp.rank())
     num_microbatches = case.num_microbatches
     if bad.num_microbatches is not None and (bad.dp_rank is None or bad.dp_rank == pg.dp.rank()):
         num_microbatches = bad.num_microbatches

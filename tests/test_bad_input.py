@@ -120,6 +120,21 @@ CASES: list[tuple[BadInput, str, tuple[str, ...]]] = [
         "ValueError",
         ("'DP_BALANCED'", "dp_balanced"),
     ),
+    (
+        BadInput("capacity differs on one rank", rank_config=(("max_seqlen_per_dp_cp_rank", 64),)),
+        CONFIG,
+        ("max_seqlen_per_dp_cp_rank differs", "DP rank 1", "(64 there, 32 on global rank 0)", "set it identically"),
+    ),
+    (
+        BadInput("scheduler differs on one rank", rank_config=(("sequence_packing_scheduler", "balanced"),)),
+        CONFIG,
+        ("sequence_packing_scheduler differs", "identically"),
+    ),
+    (
+        BadInput("sequence_parallel differs on one rank", dp_rank=0, rank_config=(("sequence_parallel", True),)),
+        CONFIG,
+        ("sequence_parallel differs", "DP rank 1", "set it identically"),
+    ),
     (BadInput("scheduler None", config=(("sequence_packing_scheduler", None),)), CONFIG, ("scheduler name",)),
     (BadInput("extra fetch", extra_fetch=True), "ok", ()),
     (BadInput("good input", dp_rank=None), "ok", ()),

@@ -146,7 +146,7 @@ class NativeSchedulerAdapter(PackingAdapter):
                 source, position = self._stage_source(data_iterator, model_config)
                 pulls = max(microbatch_count(num_microbatches), 0)  # a bad count is rejected in the agreement
                 batch = read_step(source, pulls, pg_collection.dp.rank(), limits)
-            agree(batch, num_microbatches, pg_collection)
+            agree(batch, num_microbatches, pg_collection, model_config)
         iterator: Any
         if batch is None:
             iterator = no_data(model_config)

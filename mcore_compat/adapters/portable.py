@@ -196,7 +196,7 @@ class PortableAdapter(PackingAdapter):
             source = self._stage_iterator(data_iterator, settings)
             pulls = max(microbatch_count(num_microbatches), 0)  # a bad count is rejected in the agreement
             batch = read_step(source, pulls, pg_collection.dp.rank(), limits)
-        num_microbatches = agree(batch, num_microbatches, pg_collection)
+        num_microbatches = agree(batch, num_microbatches, pg_collection, model_config)
         device = exchange.group_device(pg_collection.dp_cp)
         if tp.rank() != 0:
             words = exchange.broadcast_fixed(None, _STEP_WIDTH, tp, device)
@@ -232,7 +232,9 @@ class PortableAdapter(PackingAdapter):
         if tp.rank() == 0:
             pulls = max(microbatch_count(num_microbatches), 0)  # a bad count is rejected in the agreement
             batch = read_portable_step(data_iterator, pulls, pg.dp.rank(), 1)
-        num_microbatches = agree(batch, num_microbatches, pg)  # before the length gather, whose width it sets
+        num_microbatches = agree(
+            batch, num_microbatches, pg, model_config
+        )  # before the length gather, whose width it sets
         device = exchange.group_device(pg.dp_cp)
         if batch is None:
             words = exchange.broadcast_fixed(None, _STEP_WIDTH, tp, device)

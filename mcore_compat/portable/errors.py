@@ -30,6 +30,19 @@ SAMPLE_KEYS: tuple[str, ...] = (
 )
 """Keys a problem record can name, by index."""
 
+SETTINGS_FIELDS: tuple[str, ...] = (
+    "max_seqlen_per_dp_cp_rank",
+    "sequence_packing_scheduler",
+    "dynamic_context_parallel",
+    "min_dynamic_context_parallel_size",
+    "sequence_parallel",
+    "virtual_pipeline_model_parallel_size",
+    "microbatch_group_size_per_vp_stage",
+)
+"""The model-config fields a packing step reads, compared between ranks in the agreement (by index)."""
+VALUED_SETTINGS = frozenset({0, 3, 5, 6})
+"""Indices of :data:`SETTINGS_FIELDS` whose word is the value itself (the others are digests or flags)."""
+
 DTYPES: tuple[torch.dtype, ...] = (
     torch.bool,
     torch.uint8,
@@ -83,6 +96,7 @@ class Problem(enum.IntEnum):
     CHECK_FAILED = 26
     BAD_NUM_MICROBATCHES = 27
     NOT_AN_ITERATOR = 28
+    SETTINGS_MISMATCH = 29
 
 
 class TensorKind(enum.IntEnum):
@@ -237,6 +251,14 @@ def describe(record: Sequence[int]) -> str:
             f"{value} on global rank {a} (DP rank {rank}); pass the positive int number of samples each "
             "data-parallel rank pulls this step (get_num_microbatches()), the same on every rank"
         )
+    if problem is Problem.SETTINGS_MISMATCH:
+        name = SETTINGS_FIELDS[sample] if 0 <= sample < len(SETTINGS_FIELDS) else "a packing setting"
+        values = f" ({b} there, {c} on global rank 0)" if sample in VALUED_SETTINGS else ""
+        return (
+            f"model_config.{name} differs between ranks: global rank {a} (DP rank {rank}) has another value than "
+            f"global rank 0{values}; set it identically on every rank (build one model config the same way "
+            "everywhere)"
+        )
     if problem is Problem.BAD_CU_SEQLENS:
         detail = _BOUNDS_PROBLEMS.get(b, "is invalid").format(c=c)
         return (
@@ -353,7 +375,7 @@ class AgreedConfigError(_AgreedError, PackingConfigError):
     """A step argument that is wrong on some rank (``num_microbatches``), raised on every rank of the step."""
 
 
-CONFIG_PROBLEMS = frozenset({Problem.BAD_NUM_MICROBATCHES, Problem.MICROBATCH_MISMATCH})
+CONFIG_PROBLEMS = frozenset({Problem.BAD_NUM_MICROBATCHES, Problem.MICROBATCH_MISMATCH, Problem.SETTINGS_MISMATCH})
 """Problems with the trainer's per-step arguments, raised as :class:`AgreedConfigError`."""
 
 
@@ -378,6 +400,7 @@ __all__ = [
     "PortablePackingError",
     "Problem",
     "SAMPLE_KEYS",
+    "SETTINGS_FIELDS",
     "TensorKind",
     "VERDICT_WIDTH",
     "describe",
