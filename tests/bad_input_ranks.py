@@ -244,6 +244,10 @@ def bad_inputs_on_rank(
             keywords: dict[str, Any] = {}
             if case.dynamic_cp:
                 packing.enable_dynamic_cp_model_support()
+                refusal = packing.probe_global_batch_packing_support("default_dynamic_cp", dynamic_cp=True)
+                if refusal is not None:  # this pin cannot run dynamic CP at all: nothing to feed bad input to
+                    outcomes += [Outcome(bad.name, rank, "skipped", refusal) for bad in group]
+                    continue
                 keywords = packing.dynamic_cp_initialize_keywords(1)
             state.initialize_model_parallel(
                 tensor_model_parallel_size=layout.tp,

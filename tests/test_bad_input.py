@@ -160,6 +160,8 @@ def test_every_rank_raises_the_same_clear_error(outcomes: dict, case: BadInput, 
         pytest.skip(f"{case.name} needs layout {case.layouts}")
     ranks = outcomes["runs"][case.name]
     assert len(ranks) == 4
+    if {o.kind for o in ranks} == {"skipped"}:
+        pytest.skip(f"{case.name}: {ranks[0].message}")
     seen = {(o.kind, o.message) for o in ranks}
     assert len(seen) == 1, f"ranks disagree on {outcomes['backend']}: {seen}"
     ((kind, message),) = seen
