@@ -376,7 +376,7 @@ def _prepacked(raw: Mapping[str, Any], rank: int, index: int, limits: Limits) ->
     return samples, OK
 
 
-def _unchecked(raw: Mapping[str, Any], rank: int, index: int, exc: Exception) -> list[int]:
+def _check_failure(raw: Mapping[str, Any], rank: int, index: int, exc: Exception) -> list[int]:
     """The record of a sample whose check raised: a contract key that holds no packable data, else the exception."""
     try:
         for key_index, key in enumerate(SAMPLE_KEYS):
@@ -412,7 +412,7 @@ def check_items(items: list[Any], rank: int, limits: Limits) -> tuple[list[Sampl
                 return [], record(Problem.MIXED_FORMS, rank, index), None
             found, verdict = (_unpacked if form == "unpacked" else _prepacked)(raw, rank, index, limits)
         except Exception as exc:  # noqa: BLE001 - reported on every rank, re-raised here as the cause
-            return [], _unchecked(raw, rank, index, exc), exc
+            return [], _check_failure(raw, rank, index, exc), exc
         if verdict != OK:
             return [], verdict, None
         samples.extend(found)

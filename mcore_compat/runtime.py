@@ -3,7 +3,9 @@
 The rules are the ones :func:`packing.config.validate_global_batch_packing` applies before training,
 so a config that was never validated fails the same way, on every rank, naming the field, its value
 and the fix, instead of running something else (``dynamic_context_parallel="yes"`` running static CP)
-or failing inside Megatron-Core. The config is identical on every rank, so raising here strands no one.
+or failing inside Megatron-Core. Raising here strands no one when every rank holds the same config, as
+trainers build it; valid settings that differ between ranks are caught by the step's agreement
+(:func:`settings_words`), but a value that is invalid on some ranks only is raised on those ranks alone.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 
 from mcore_compat.contract import Limits, alignment_multiple
 from mcore_compat.errors import PackingConfigError
-from mcore_compat.portable.errors import SETTINGS_FIELDS
+from mcore_compat.portable.errors import NOT_AN_INT, SETTINGS_FIELDS
 
 __all__ = [
     "check_dynamic_cp_flags",
@@ -132,11 +134,11 @@ def step_limits(model_config: Any, pg_collection: Any, dynamic_cp: bool) -> Limi
 
 
 def _word(value: Any) -> int:
-    """One setting as an int64 word: a bool as 0/1, an int as itself, a string by CRC-32, anything else -1."""
+    """One setting as an int64 word: a bool as 0/1, an int as itself, a string by CRC-32, None as 0, else -1."""
     if isinstance(value, bool):
         return int(value)
     if isinstance(value, int):
-        return value if -(1 << 62) < value < 1 << 62 else -1
+        return value if NOT_AN_INT < value < -NOT_AN_INT else NOT_AN_INT
     if isinstance(value, str):
         return zlib.crc32(value.encode())
     return 0 if value is None else -1

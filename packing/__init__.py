@@ -177,9 +177,9 @@ def wrap_data_iterator_for_global_batch_packing(
     of the padded sample lengths and of their squares over the global batch, for FLOPs accounting.
 
     Raises ``PackingConfigError`` or ``UnsupportedPinError`` on every rank before any collective; a
-    ``num_microbatches`` that is not a positive int on some rank, or differs between ranks, is found in the
-    step's agreement collective and raised there on every rank (``PackingConfigError``), as is bad data
-    (``BadSampleError``).
+    ``num_microbatches`` that is not a positive int on some rank, or a ``num_microbatches`` or packing
+    setting that differs between ranks, is found in the step's agreement collective and raised there on
+    every rank (``PackingConfigError``), as is bad data (``BadSampleError``).
     """
     _require_pg_collection(pg_collection)
     _require_groups(pg_collection)

@@ -232,9 +232,8 @@ class PortableAdapter(PackingAdapter):
         if tp.rank() == 0:
             pulls = max(microbatch_count(num_microbatches), 0)  # a bad count is rejected in the agreement
             batch = read_portable_step(data_iterator, pulls, pg.dp.rank(), 1)
-        num_microbatches = agree(
-            batch, num_microbatches, pg, model_config
-        )  # before the length gather, whose width it sets
+        # The agreement comes before the length gather, whose width num_microbatches sets.
+        num_microbatches = agree(batch, num_microbatches, pg, model_config)
         device = exchange.group_device(pg.dp_cp)
         if batch is None:
             words = exchange.broadcast_fixed(None, _STEP_WIDTH, tp, device)

@@ -40,8 +40,15 @@ SETTINGS_FIELDS: tuple[str, ...] = (
     "microbatch_group_size_per_vp_stage",
 )
 """The model-config fields a packing step reads, compared between ranks in the agreement (by index)."""
-VALUED_SETTINGS = frozenset({0, 3, 5, 6})
-"""Indices of :data:`SETTINGS_FIELDS` whose word is the value itself (the others are digests or flags)."""
+_NUMERIC_SETTINGS = frozenset(
+    {
+        "max_seqlen_per_dp_cp_rank",
+        "min_dynamic_context_parallel_size",
+        "virtual_pipeline_model_parallel_size",
+        "microbatch_group_size_per_vp_stage",
+    }
+)
+"""Settings whose word is the value itself, so a message can show it (the others are a digest or a flag)."""
 
 DTYPES: tuple[torch.dtype, ...] = (
     torch.bool,
@@ -61,7 +68,7 @@ VERDICT_WIDTH = 6
 """``(code, rank, sample, a, b, c)``."""
 
 NOT_AN_INT = -(1 << 62)
-"""The word that stands for a ``num_microbatches`` that is not an integer (or is a bool)."""
+"""The word that stands for a value that is not an integer (or is a bool, or does not fit a word)."""
 
 
 class Problem(enum.IntEnum):
@@ -253,7 +260,7 @@ def describe(record: Sequence[int]) -> str:
         )
     if problem is Problem.SETTINGS_MISMATCH:
         name = SETTINGS_FIELDS[sample] if 0 <= sample < len(SETTINGS_FIELDS) else "a packing setting"
-        values = f" ({b} there, {c} on global rank 0)" if sample in VALUED_SETTINGS else ""
+        values = f" ({b} there, {c} on global rank 0)" if name in _NUMERIC_SETTINGS else ""
         return (
             f"model_config.{name} differs between ranks: global rank {a} (DP rank {rank}) has another value than "
             f"global rank 0{values}; set it identically on every rank (build one model config the same way "
@@ -372,11 +379,11 @@ class PortablePackingError(_AgreedError, BadSampleError):
 
 
 class AgreedConfigError(_AgreedError, PackingConfigError):
-    """A step argument that is wrong on some rank (``num_microbatches``), raised on every rank of the step."""
+    """``num_microbatches`` or a packing setting that is wrong or different on some rank, raised on every rank."""
 
 
 CONFIG_PROBLEMS = frozenset({Problem.BAD_NUM_MICROBATCHES, Problem.MICROBATCH_MISMATCH, Problem.SETTINGS_MISMATCH})
-"""Problems with the trainer's per-step arguments, raised as :class:`AgreedConfigError`."""
+"""Problems with the trainer's per-step argument or its config, raised as :class:`AgreedConfigError`."""
 
 
 def raise_if_bad(verdict: Sequence[int], cause: BaseException | None = None) -> None:
@@ -395,8 +402,8 @@ __all__ = [
     "CONFIG_PROBLEMS",
     "DTYPES",
     "NOT_AN_INT",
-    "AgreedConfigError",
     "OK",
+    "AgreedConfigError",
     "PortablePackingError",
     "Problem",
     "SAMPLE_KEYS",
