@@ -143,23 +143,29 @@ class _RaisingSample(dict):
 
 
 TENSOR_CASES = [
-    ([sample(4, tokens=torch.arange(4, device="meta"))], record(Problem.NO_DATA, 0, 0, a=KEY("tokens"), b=1)),
+    (
+        [sample(4, tokens=torch.arange(4, device="meta"))],
+        record(Problem.NO_DATA, 0, 0, a=KEY("tokens"), b=TensorKind.META),
+    ),
     (
         [sample(4, position_ids=torch.arange(4, device="meta"))],
         record(Problem.NO_DATA, 0, 0, a=KEY("position_ids"), b=TensorKind.META),
     ),
-    ([sample(4, loss_mask=torch.ones(4).to_sparse())], record(Problem.NO_DATA, 0, 0, a=KEY("loss_mask"), b=2)),
+    (
+        [sample(4, loss_mask=torch.ones(4).to_sparse())],
+        record(Problem.NO_DATA, 0, 0, a=KEY("loss_mask"), b=TensorKind.LAYOUT),
+    ),
     (
         [sample(2), sample(4, labels=torch.nested.nested_tensor([torch.arange(4)]))],
-        record(Problem.NO_DATA, 0, 1, a=KEY("labels"), b=3),
+        record(Problem.NO_DATA, 0, 1, a=KEY("labels"), b=TensorKind.NESTED),
     ),
     (
         [sample(4, padded_seq_len=torch.tensor([4], dtype=torch.int32, device="meta"))],
-        record(Problem.NO_DATA, 0, 0, a=KEY("padded_seq_len"), b=1),
+        record(Problem.NO_DATA, 0, 0, a=KEY("padded_seq_len"), b=TensorKind.META),
     ),
     (
         [{**prepacked([0, 2, 4]), "cu_seqlens_padded": torch.tensor([0, 2, 4], device="meta")}],
-        record(Problem.NO_DATA, 0, 0, a=KEY("cu_seqlens_padded"), b=1),
+        record(Problem.NO_DATA, 0, 0, a=KEY("cu_seqlens_padded"), b=TensorKind.META),
     ),
     ([sample(2), _RaisingSample(sample(2))], record(Problem.CHECK_FAILED, 0, 1, a=5)),
 ]
