@@ -14,6 +14,11 @@ for bad data, :class:`~mcore_compat.portable.errors.AgreedConfigError` (a
 some rank, or ``StopIteration`` when the data ran out on every loading rank at once, before anything
 else can hang.
 
+A rank whose own checks of its settings refuse the step (a capacity of None, a misspelt scheduler, a
+dynamic-CP rule) does not raise alone either: :func:`fail_together` joins the same agreement with the
+refusal, and every rank then raises the refusing rank's error class with its message (the text follows in
+one broadcast, on the failing path only).
+
 The row is fixed-width, so ranks that disagree on ``num_microbatches`` meet in a collective of the
 same size and learn it from the rows instead of aborting inside the transport; a ``num_microbatches``
 that is not a positive int travels in the row too (:func:`microbatch_count`), so a rank that was passed
@@ -25,15 +30,17 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
 from mcore_compat.contract import LocalBatch
+from mcore_compat.errors import PackingError
 from mcore_compat.portable.errors import (
     NOT_AN_INT,
     OK,
+    REFUSAL_KINDS,
     SETTINGS_FIELDS,
     VERDICT_WIDTH,
     Problem,
@@ -42,11 +49,14 @@ from mcore_compat.portable.errors import (
 )
 from mcore_compat.runtime import settings_words
 
-__all__ = ["ROW_WIDTH", "Row", "agree", "decide", "digest", "microbatch_count"]
+__all__ = ["ROW_WIDTH", "SETUP_ERRORS", "Row", "agree", "decide", "digest", "fail_together", "microbatch_count"]
 
 _FIELDS = ("num_microbatches", "loads", "dp_rank", "cp_rank", "pp_rank", "tp_rank", "count", "digest")
 ROW_WIDTH = VERDICT_WIDTH + len(_FIELDS) + len(SETTINGS_FIELDS)
 _DIGEST_MASK = (1 << 62) - 1
+
+SETUP_ERRORS = REFUSAL_KINDS
+"""What a rank's own checks of its settings raise before the agreement (:func:`fail_together` shares them)."""
 
 
 @dataclass(frozen=True)
@@ -99,11 +109,18 @@ def digest(batch: LocalBatch | None) -> int:
 def decide(rows: Sequence[Row]) -> list[int]:
     """The one verdict every rank reaches from the gathered rows (in global rank order).
 
-    In order: a ``num_microbatches`` below 1 or not an int; ranks passing different ``num_microbatches``;
-    ranks reading different packing settings from their model config; the data running out on every loading
-    rank at once (``EXHAUSTED`` with ``c=1``, raised as ``StopIteration``); the first loading
-    rank's problem; CP siblings (same PP stage and DP rank) that were fed different lengths.
+    In order: a rank whose own checks refused its settings (``CONFIG_REFUSED`` with the global rank in
+    ``a``, the message length in ``b`` and the number of refusing ranks in ``c``); a ``num_microbatches``
+    below 1 or not an int; ranks passing different ``num_microbatches``; ranks reading different packing
+    settings from their model config; the data running out on every loading rank at once (``EXHAUSTED``
+    with ``c=1``, raised as ``StopIteration``); the first loading rank's problem; CP siblings (same PP stage
+    and DP rank) that were fed different lengths.
     """
+    refusing = [(rank, row) for rank, row in enumerate(rows) if row.verdict[0] == Problem.CONFIG_REFUSED]
+    if refusing:
+        rank, row = refusing[0]
+        kind, length = row.verdict[2], row.verdict[4]
+        return record(Problem.CONFIG_REFUSED, row.dp_rank, kind, a=rank, b=length, c=len(refusing))
     for rank, row in enumerate(rows):
         if row.num_microbatches < 1:
             return record(Problem.BAD_NUM_MICROBATCHES, row.dp_rank, a=rank, b=row.num_microbatches)
@@ -137,27 +154,47 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def agree(batch: LocalBatch | None, num_microbatches: Any, pg_collection: Any, model_config: Any) -> int:
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _group_rank(pg_collection: Any, name: str) -> int:
+    """This rank's index in one group of the collection; -1 where a refusing rank's collection lacks it."""
+    group = getattr(pg_collection, name, None)
+    return -1 if group is None else int(group.rank())
+
+
+def agree(
+    batch: LocalBatch | None,
+    num_microbatches: Any,
+    pg_collection: Any,
+    model_config: Any,
+    refused: PackingError | None = None,
+) -> int:
     """Join the step's agreement (``batch`` on data-loading ranks, None elsewhere); raise on every rank if bad.
 
+    ``refused`` is the error this rank's own checks of its settings raised (see :func:`fail_together`).
     Returns the agreed ``num_microbatches`` (a positive int, the same on every rank).
     """
-    pg = pg_collection
+    dp_rank = _group_rank(pg_collection, "dp")
     verdict = list(OK) if batch is None else batch.verdict
+    if refused is not None:
+        kind = next(i for i, cls in enumerate(REFUSAL_KINDS) if isinstance(refused, cls))
+        verdict = record(Problem.CONFIG_REFUSED, dp_rank, kind, b=len(str(refused).encode()))
     row = Row(
         verdict,
         microbatch_count(num_microbatches),
         int(batch is not None),
-        pg.dp.rank(),
-        pg.cp.rank(),
-        pg.pp.rank(),
-        pg.tp.rank(),
+        dp_rank,
+        _group_rank(pg_collection, "cp"),
+        _group_rank(pg_collection, "pp"),
+        _group_rank(pg_collection, "tp"),
         0 if batch is None else len(batch.samples),
         digest(batch),
         settings_words(model_config),
     )
     words = row.words()
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if _distributed():
         local = torch.tensor(words, dtype=torch.int64, device=_device())
         out = torch.empty(dist.get_world_size() * ROW_WIDTH, dtype=torch.int64, device=local.device)
         dist.all_gather_single(out, local)  # torch 2.13 deprecates all_gather_into_tensor for it
@@ -165,6 +202,43 @@ def agree(batch: LocalBatch | None, num_microbatches: Any, pg_collection: Any, m
     else:
         table = [words]
     outcome = decide([Row.from_words(w) for w in table])
+    if outcome[0] == Problem.CONFIG_REFUSED:
+        raise _shared_refusal(outcome, refused, len(table)) from refused
     own = batch is not None and list(batch.verdict) == outcome
     raise_if_bad(outcome, batch.cause if own and batch is not None else None)
     return row.num_microbatches
+
+
+def fail_together(error: PackingError, num_microbatches: Any, pg_collection: Any, model_config: Any) -> NoReturn:
+    """Raise ``error``, which this rank's own checks of its settings raised, on every rank of the job.
+
+    Alone, this rank would leave the others waiting in the agreement; so it joins the agreement with the
+    refusal, and every rank raises the same class with the same message. Without a distributed job it
+    raises ``error`` itself.
+    """
+    if _distributed():
+        agree(None, num_microbatches, pg_collection, model_config, refused=error)
+    raise error
+
+
+def _shared_refusal(outcome: Sequence[int], refused: PackingError | None, world: int) -> PackingError:
+    """The refusing rank's error, rebuilt on every rank from its class index and its message (one broadcast)."""
+    _, dp_rank, kind, source, length, count = (int(v) for v in outcome)
+    distributed = _distributed()
+    text = str(refused) if refused is not None and (not distributed or dist.get_rank() == source) else ""
+    if length and distributed:
+        buffer = torch.zeros(length, dtype=torch.uint8, device=_device())
+        if text:
+            buffer.copy_(torch.tensor(list(text.encode()), dtype=torch.uint8))
+        dist.broadcast(buffer, source)
+        text = bytes(buffer.cpu().tolist()).decode(errors="replace")
+    if count == world:
+        where = "on every rank"
+    else:
+        others = f" and {count - 1} other rank(s)" if count > 1 else ""
+        where = (
+            f"on global rank {source} (DP rank {dp_rank}){others} only, while the other ranks' checks pass; "
+            "build the model config and process groups the same way on every rank"
+        )
+    cls = REFUSAL_KINDS[kind] if 0 <= kind < len(REFUSAL_KINDS) else PackingError
+    return cls(f"{text} (refused {where})")

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mcore_compat.capabilities import Capabilities
+from mcore_compat.errors import PackingConfigError
 
 __all__ = [
     "DYNAMIC_SCHEDULER",
@@ -116,10 +117,11 @@ def _init_hint(capabilities: Capabilities, min_size: int) -> str:
 
 
 def require_dynamic_cp_groups(capabilities: Capabilities, pool: int, min_size: int) -> None:
-    """Raise ``ValueError`` unless the pin holds a DP x CP sub-group of every size a bin may use.
+    """Raise ``PackingConfigError`` unless the pin holds a DP x CP sub-group of every size a bin may use.
 
     Sizes are the powers of two from ``max(2, min_size)`` to ``pool``. The check only reads
-    ``parallel_state`` (no collective), which every rank initialised alike, so every rank raises alike.
+    ``parallel_state`` (no collective); a rank that raises here alone shares the error through the step's
+    agreement (:func:`mcore_compat.agreement.fail_together`).
     """
     getter = _getter(capabilities)
     rank = importlib.import_module("torch.distributed").get_rank()
@@ -132,7 +134,7 @@ def require_dynamic_cp_groups(capabilities: Capabilities, pool: int, min_size: i
         ranks = _group_ranks(group)
         if group is None or group.size() != size or rank not in ranks:
             found = "none" if group is None else f"a group of {group.size()} ranks {ranks}"
-            raise ValueError(
+            raise PackingConfigError(
                 f"parallel_state.{capabilities.dynamic_cp_group_getter}(group_size={size}) returned {found}: "
                 f"dynamic context parallelism needs the DP x CP sub-groups of every power-of-two size up to {pool}; "
                 f"initialise Megatron-Core with {_init_hint(capabilities, min_size)}"
@@ -165,50 +167,50 @@ def check_dynamic_cp_rules(capabilities: Capabilities, model_config: Any, pg_col
     Rules: DP x CP a power of two >= 2; ``min_dynamic_context_parallel_size`` a power of two not above
     it; per-token loss; micro-batch size 1; no pipeline or virtual pipeline parallelism; no CUDA
     graphs; ``hybrid_context_parallel`` off where it is not an alias. Attributes the config does not
-    have are not checked. Everything read is identical on every rank, so every rank raises alike.
+    have are not checked. Raises ``PackingConfigError``, which the step's agreement shares with every rank.
     """
     pool = pg_collection.dp_cp.size()
     if not _power_of_two(pool) or pool < 2:
-        raise ValueError(
+        raise PackingConfigError(
             f"DP x CP = {pool} ranks (data-parallel {pg_collection.dp.size()} x context-parallel "
             f"{pg_collection.cp.size()}): dynamic context parallelism needs a power of two >= 2; change the world "
             "size or context_parallel_size"
         )
     min_size = getattr(model_config, "min_dynamic_context_parallel_size", 1)
     if not _positive_int(min_size) or not _power_of_two(min_size) or min_size > pool:
-        raise ValueError(
+        raise PackingConfigError(
             f"model_config.min_dynamic_context_parallel_size={min_size!r}: set it to a power of two no larger than "
             f"DP x CP ({pool}), e.g. 1"
         )
     if pg_collection.pp.size() > 1:
-        raise ValueError(
+        raise PackingConfigError(
             f"pipeline_model_parallel_size={pg_collection.pp.size()}: dynamic context parallelism runs without "
             "pipeline parallelism; set pipeline_model_parallel_size=1"
         )
     vpp = getattr(model_config, "virtual_pipeline_model_parallel_size", None)
     if vpp is not None and vpp != 1:
-        raise ValueError(
+        raise PackingConfigError(
             f"model_config.virtual_pipeline_model_parallel_size={vpp!r}: dynamic context parallelism runs without "
             "virtual pipeline parallelism; set it to None"
         )
     if getattr(model_config, "calculate_per_token_loss", True) is not True:
-        raise ValueError(
+        raise PackingConfigError(
             f"model_config.calculate_per_token_loss={model_config.calculate_per_token_loss!r}: bins on groups of "
             "different sizes hold different token counts; set calculate_per_token_loss=True"
         )
     micro_batch_size = getattr(model_config, "micro_batch_size", 1)
     if micro_batch_size != 1:
-        raise ValueError(
+        raise PackingConfigError(
             f"micro_batch_size={micro_batch_size!r}: each packed microbatch is built from single samples; set it to 1"
         )
     graphs = getattr(model_config, "cuda_graph_impl", "none")
     if graphs not in (None, "none") or getattr(model_config, "enable_cuda_graph", False):
-        raise ValueError(
+        raise PackingConfigError(
             f"model_config.cuda_graph_impl={graphs!r} (enable_cuda_graph="
             f"{getattr(model_config, 'enable_cuda_graph', False)!r}): CUDA graphs need one static shape and "
             "dynamic-CP bins vary in length and group; set cuda_graph_impl='none' and enable_cuda_graph=False"
         )
     problem = hybrid_flag_problem(capabilities, model_config)
     if problem is not None:
-        raise ValueError(problem)
+        raise PackingConfigError(problem)
     return min_size

@@ -3,9 +3,10 @@
 The rules are the ones :func:`packing.config.validate_global_batch_packing` applies before training,
 so a config that was never validated fails the same way, on every rank, naming the field, its value
 and the fix, instead of running something else (``dynamic_context_parallel="yes"`` running static CP)
-or failing inside Megatron-Core. Raising here strands no one when every rank holds the same config, as
-trainers build it; valid settings that differ between ranks are caught by the step's agreement
-(:func:`settings_words`), but a value that is invalid on some ranks only is raised on those ranks alone.
+or failing inside Megatron-Core. The adapters and the facade call these checks before the step's
+agreement; a rank they refuse joins the agreement with the refusal
+(:func:`mcore_compat.agreement.fail_together`), so a value invalid on some ranks only is raised on every
+rank; valid settings that differ between ranks are caught there too (:func:`settings_words`).
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ from mcore_compat import adapter, detect, runtime
 from mcore_compat.adapters import DYNAMIC_CP_SCHEDULERS
 from mcore_compat.adapters.base import pin_hint, pins_running
 from mcore_compat.adapters.native import no_data
+from mcore_compat.agreement import SETUP_ERRORS, fail_together
 from mcore_compat.capabilities import route_prebuilder
 from mcore_compat.errors import BadSampleError, PackingConfigError, PackingError, UnsupportedPinError
 from mcore_compat.model_support import enable_dynamic_cp_model_support, model_support_applied
@@ -176,16 +177,23 @@ def wrap_data_iterator_for_global_batch_packing(
     TP ranks, so track "already wrapped" with a flag. ``seqlen_sum`` and ``seqlen_squared_sum`` are the sum
     of the padded sample lengths and of their squares over the global batch, for FLOPs accounting.
 
-    Raises ``PackingConfigError`` or ``UnsupportedPinError`` on every rank before any collective; a
+    Raises ``PackingConfigError`` or ``UnsupportedPinError`` before the scheduler's first collective: in a
+    distributed job, from the step's agreement collective on every rank, with the message of the (first)
+    rank whose settings were refused, so a config wrong on one rank only strands no one. A
     ``num_microbatches`` that is not a positive int on some rank, or a ``num_microbatches`` or packing
-    setting that differs between ranks, is found in the step's agreement collective and raised there on
-    every rank (``PackingConfigError``), as is bad data (``BadSampleError``).
+    setting that differs between ranks, is raised there too (``PackingConfigError``), as is bad data
+    (``BadSampleError``).
     """
-    _require_pg_collection(pg_collection)
-    _require_groups(pg_collection)
     chosen = adapter()
-    runtime.check_settings(model_config, pg_collection.dp_cp.size(), chosen.dynamic_cp_enabled(model_config))
-    chosen.require_runnable(model_config)
+    try:
+        _require_pg_collection(pg_collection)
+        _require_groups(pg_collection)
+        runtime.check_settings(model_config, pg_collection.dp_cp.size(), chosen.dynamic_cp_enabled(model_config))
+        chosen.require_runnable(model_config)
+    except SETUP_ERRORS as error:
+        if _scheduler_api is _PIN_SCHEDULER_API:  # the step agrees: the other ranks wait there for this one
+            fail_together(error, num_microbatches, pg_collection, model_config)
+        raise
     portable_api = _portable_api_for(chosen, model_config)
     wrap_data_iterator, _ = portable_api or _scheduler_api()
     iterator = _iterator_for_tp_rank(data_iterator, pg_collection)

@@ -136,6 +136,49 @@ CASES: list[tuple[BadInput, str, tuple[str, ...]]] = [
         ("sequence_parallel differs", "DP rank 1", "set it identically"),
     ),
     (BadInput("scheduler None", config=(("sequence_packing_scheduler", None),)), CONFIG, ("scheduler name",)),
+    (
+        BadInput("capacity None on one rank", rank_config=(("max_seqlen_per_dp_cp_rank", None),)),
+        CONFIG,
+        ("max_seqlen_per_dp_cp_rank=None", "positive int", "on global rank", "DP rank 1", "only"),
+    ),
+    (
+        BadInput("capacity zero on one rank", dp_rank=0, rank_config=(("max_seqlen_per_dp_cp_rank", 0),)),
+        CONFIG,
+        ("max_seqlen_per_dp_cp_rank=0", "DP rank 0", "same way on every rank"),
+    ),
+    (
+        BadInput("dynamic CP = 'yes' on one rank", rank_config=(("dynamic_context_parallel", "yes"),)),
+        CONFIG,
+        ("dynamic_context_parallel='yes'", "True or False", "DP rank 1"),
+    ),
+    (
+        BadInput("scheduler misspelt on one rank", rank_config=(("sequence_packing_scheduler", "dp-balanced"),)),
+        "ValueError",
+        ("'dp-balanced'", "DP rank 1", "only"),
+    ),
+    (
+        BadInput("scheduler None on one rank", dp_rank=0, rank_config=(("sequence_packing_scheduler", None),)),
+        CONFIG,
+        ("scheduler name", "DP rank 0"),
+    ),
+    (
+        BadInput(
+            "min dynamic CP size 3 on one rank",
+            dynamic_cp=True,
+            rank_config=(("min_dynamic_context_parallel_size", 3),),
+        ),
+        CONFIG,
+        ("min_dynamic_context_parallel_size=3", "power of two", "DP rank 1"),
+    ),
+    (
+        BadInput(
+            "capacity None, dynamic CP, on one rank",
+            dynamic_cp=True,
+            rank_config=(("max_seqlen_per_dp_cp_rank", None),),
+        ),
+        CONFIG,
+        ("max_seqlen_per_dp_cp_rank=None", "DP rank 1"),
+    ),
     (BadInput("extra fetch", extra_fetch=True), "ok", ()),
     (BadInput("good input", dp_rank=None), "ok", ()),
     (BadInput("good input, dynamic CP", dp_rank=None, dynamic_cp=True), "ok", ()),

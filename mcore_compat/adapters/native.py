@@ -15,12 +15,12 @@ from mcore_compat.adapters.base import (
     RoutePrebuilder,
     WrapResult,
 )
-from mcore_compat.agreement import agree, microbatch_count
+from mcore_compat.agreement import SETUP_ERRORS, agree, fail_together, microbatch_count
 from mcore_compat.capabilities import Capabilities
 
 if TYPE_CHECKING:
     from mcore_compat.adapters.portable import PortableAdapter
-from mcore_compat.contract import SAMPLE_FORMS, LocalBatch, collection_paused, convert_items, read_step
+from mcore_compat.contract import SAMPLE_FORMS, Limits, LocalBatch, collection_paused, convert_items, read_step
 from mcore_compat.generations import FETCH_FUNCTION, SCHEDULER_MODULE, WRAP_FUNCTION
 from mcore_compat.portable import SCHEDULERS as PORTABLE_SCHEDULERS
 from mcore_compat.portable.errors import Problem, raise_if_bad, record
@@ -127,17 +127,16 @@ class NativeSchedulerAdapter(PackingAdapter):
     def checked_iterator(self, data_iterator: Any, model_config: Any, num_microbatches: int, pg_collection: Any) -> Any:
         """What MCore's ``wrap_data_iterator`` gets on this rank, after every rank agreed on the step's samples.
 
-        Checks the settings, pulls and checks this step's samples on the data-loading ranks, agrees on one
-        verdict over the world (raising the same error everywhere, or continuing everywhere), and returns a
+        Checks the settings (a rank that refuses them fails with every other rank in the agreement), pulls and
+        checks this step's samples on the data-loading ranks, agrees on one verdict over the world (raising the
+        same error everywhere, or continuing everywhere), and returns a
         replaying iterator with the checked items (converted to the sample form the pin reads), or the
         no-data argument on ranks that load none.
         """
-        self._check_runtime_config(model_config)
-        dynamic_cp = self.dynamic_cp_enabled(model_config)
-        if dynamic_cp:
-            runtime.check_min_dynamic_cp_size(model_config, pg_collection.dp_cp.size())
-        self.require_runnable(model_config)
-        limits = runtime.step_limits(model_config, pg_collection, dynamic_cp)
+        try:
+            limits = self._step_limits(model_config, pg_collection)
+        except SETUP_ERRORS as error:
+            fail_together(error, num_microbatches, pg_collection, model_config)
         self._fetched, self._packed_count = {}, None
         batch: LocalBatch | None = None
         source, position = None, None
@@ -155,6 +154,15 @@ class NativeSchedulerAdapter(PackingAdapter):
             replay = itertools.chain(items, source or ())
             iterator = replay if position is None else _replace(data_iterator, position, replay)
         return iterator
+
+    def _step_limits(self, model_config: Any, pg_collection: Any) -> Limits:
+        """Check this rank's settings as the pin's scheduler will read them; the limits its samples must meet."""
+        self._check_runtime_config(model_config)
+        dynamic_cp = self.dynamic_cp_enabled(model_config)
+        if dynamic_cp:
+            runtime.check_min_dynamic_cp_size(model_config, pg_collection.dp_cp.size())
+        self.require_runnable(model_config)
+        return runtime.step_limits(model_config, pg_collection, dynamic_cp)
 
     def _check_runtime_config(self, model_config: Any) -> None:
         """Strict flags and the fields this pin's scheduler reads, identical on every rank."""

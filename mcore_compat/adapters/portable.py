@@ -41,9 +41,9 @@ import torch
 import mcore_compat.dynamic_cp as dynamic_cp_support
 import mcore_compat.runtime as runtime
 from mcore_compat.adapters.base import DYNAMIC_CP_SCHEDULERS, PackedBatch, PackingAdapter, RoutePrebuilder, WrapResult
-from mcore_compat.agreement import agree, microbatch_count
+from mcore_compat.agreement import SETUP_ERRORS, agree, fail_together, microbatch_count
 from mcore_compat.capabilities import Capabilities
-from mcore_compat.contract import LocalBatch, read_step
+from mcore_compat.contract import Limits, LocalBatch, read_step
 from mcore_compat.errors import PackingConfigError, UnsupportedPinError
 from mcore_compat.portable import SCHEDULERS, dynamic, exchange
 from mcore_compat.portable.entry_points import entry_points
@@ -102,7 +102,7 @@ def _positive_int(value: Any) -> bool:
 
 
 def read_settings(model_config: Any) -> Settings:
-    """Read and check the config (identical on every rank, so raising here cannot strand a peer)."""
+    """Read and check the config (``wrap`` shares a refusal with every rank through the agreement)."""
     capacity = runtime.max_seqlen_per_dp_cp_rank(model_config)
     if getattr(model_config, "pad_packed_seq_alignment", None) is not None:
         raise PackingConfigError(
@@ -184,15 +184,15 @@ class PortableAdapter(PackingAdapter):
     # -- wrap: one step -------------------------------------------------------------------------
 
     def wrap(self, data_iterator: Any, model_config: Any, num_microbatches: int, pg_collection: Any) -> WrapResult:
-        runtime.check_settings(model_config, pg_collection.dp_cp.size(), self.dynamic_cp_enabled(model_config))
-        self.require_runnable(model_config)
-        settings = read_settings(model_config)
-        if self.dynamic_cp_enabled(model_config):
-            return self._wrap_dynamic(data_iterator, model_config, num_microbatches, pg_collection, settings)
+        try:
+            settings, limits, min_size = self._step_settings(model_config, pg_collection)
+        except SETUP_ERRORS as error:
+            fail_together(error, num_microbatches, pg_collection, model_config)
+        if min_size is not None:
+            return self._wrap_dynamic(data_iterator, model_config, num_microbatches, pg_collection, settings, min_size)
         tp, pp = pg_collection.tp, pg_collection.pp
         batch = None
         if self.rank_loads_data(pg_collection):
-            limits = runtime.step_limits(model_config, pg_collection, dynamic_cp=False)
             source = self._stage_iterator(data_iterator, settings)
             pulls = max(microbatch_count(num_microbatches), 0)  # a bad count is rejected in the agreement
             batch = read_step(source, pulls, pg_collection.dp.rank(), limits)
@@ -218,15 +218,27 @@ class PortableAdapter(PackingAdapter):
         iterators = self._iterators(step.microbatches, pg_collection, settings)
         return WrapResult(iterators, step.count, float(step.seqlen_sum), float(step.seqlen_squared_sum))
 
-    def _wrap_dynamic(
-        self, data_iterator: Any, model_config: Any, num_microbatches: int, pg: Any, settings: Settings
-    ) -> WrapResult:
-        """``default_dynamic_cp`` (PP = 1): each DP x CP rank gets, per microbatch, the bin of its dynamic group."""
+    def _step_settings(self, model_config: Any, pg: Any) -> tuple[Settings, Limits, int | None]:
+        """Check this rank's settings; return them, the limits its samples must meet and, under dynamic CP,
+        the minimum group size (None for static CP)."""
+        dynamic_cp = self.dynamic_cp_enabled(model_config)
+        runtime.check_settings(model_config, pg.dp_cp.size(), dynamic_cp)
+        self.require_runnable(model_config)
+        settings = read_settings(model_config)
+        limits = runtime.step_limits(model_config, pg, dynamic_cp)
+        if not dynamic_cp:
+            return settings, limits, None
         reason = self.dynamic_cp_refusal(model_config)
         if reason is not None:
             raise UnsupportedPinError(reason)
         min_size = dynamic_cp_support.check_dynamic_cp_rules(self.capabilities, model_config, pg)
         dynamic_cp_support.require_dynamic_cp_groups(self.capabilities, pg.dp_cp.size(), min_size)
+        return settings, limits, min_size
+
+    def _wrap_dynamic(
+        self, data_iterator: Any, model_config: Any, num_microbatches: int, pg: Any, settings: Settings, min_size: int
+    ) -> WrapResult:
+        """``default_dynamic_cp`` (PP = 1): each DP x CP rank gets, per microbatch, the bin of its dynamic group."""
         tp = pg.tp
         batch = None
         if tp.rank() == 0:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from mcore_compat.errors import BadSampleError, PackingConfigError
+from mcore_compat.errors import BadSampleError, PackingConfigError, PackingError, UnsupportedPinError
 
 SAMPLE_KEYS: tuple[str, ...] = (
     "tokens",
@@ -104,6 +104,7 @@ class Problem(enum.IntEnum):
     BAD_NUM_MICROBATCHES = 27
     NOT_AN_ITERATOR = 28
     SETTINGS_MISMATCH = 29
+    CONFIG_REFUSED = 30
 
 
 class TensorKind(enum.IntEnum):
@@ -113,6 +114,10 @@ class TensorKind(enum.IntEnum):
     LAYOUT = 2
     NESTED = 3
 
+
+REFUSAL_KINDS: tuple[type[PackingError], ...] = (PackingConfigError, UnsupportedPinError)
+"""Errors a rank's own checks of its config raise before the agreement, by index (word ``sample`` of a
+``CONFIG_REFUSED`` record): every rank raises the refusing rank's class with its message."""
 
 CHECK_EXCEPTIONS: tuple[type[Exception], ...] = (
     TypeError,
@@ -266,6 +271,11 @@ def describe(record: Sequence[int]) -> str:
             f"global rank 0{values}; set it identically on every rank (build one model config the same way "
             "everywhere)"
         )
+    if problem is Problem.CONFIG_REFUSED:
+        return (
+            f"the packing settings of global rank {a} (DP rank {rank}) were refused there; the message travels "
+            "after the agreement (mcore_compat.agreement)"
+        )
     if problem is Problem.BAD_CU_SEQLENS:
         detail = _BOUNDS_PROBLEMS.get(b, "is invalid").format(c=c)
         return (
@@ -406,6 +416,7 @@ __all__ = [
     "AgreedConfigError",
     "PortablePackingError",
     "Problem",
+    "REFUSAL_KINDS",
     "SAMPLE_KEYS",
     "SETTINGS_FIELDS",
     "TensorKind",

@@ -1,0 +1,69 @@
+"""The agreement's verdict from gathered rows (table-driven), and a refusal on a single process."""
+
+from __future__ import annotations
+
+import pytest
+
+from mcore_compat.agreement import ROW_WIDTH, Row, agree, decide, fail_together
+from mcore_compat.errors import PackingConfigError, UnsupportedPinError
+from mcore_compat.portable.errors import OK, REFUSAL_KINDS, SETTINGS_FIELDS, Problem, record
+
+
+def _row(dp: int, verdict: list[int] | None = None, count: int = 4, loads: int = 1, settings: int = 7) -> Row:
+    return Row(verdict or list(OK), count, loads, dp, 0, 0, 0, 2, 11, [settings] * len(SETTINGS_FIELDS))
+
+
+def _refused(dp: int, kind: int, length: int) -> list[int]:
+    return record(Problem.CONFIG_REFUSED, dp, kind, b=length)
+
+
+CASES = [
+    ("all good", [_row(0), _row(1)], list(OK)),
+    (
+        "a refusal comes before a bad count and bad data",
+        [_row(0, count=0), _row(1, _refused(1, 1, 42), loads=0), _row(2, record(Problem.MISSING_KEY, 2, 0, a=1))],
+        record(Problem.CONFIG_REFUSED, 1, 1, a=1, b=42, c=1),
+    ),
+    (
+        "the first refusing rank speaks; c counts them",
+        [_row(0), _row(1, _refused(1, 0, 9), loads=0), _row(2, _refused(2, 1, 5), loads=0)],
+        record(Problem.CONFIG_REFUSED, 1, 0, a=1, b=9, c=2),
+    ),
+    ("a bad count", [_row(0), _row(1, count=0)], record(Problem.BAD_NUM_MICROBATCHES, 1, a=1, b=0)),
+    ("counts differ", [_row(0), _row(1, count=3)], record(Problem.MICROBATCH_MISMATCH, 1, a=1, b=3, c=4)),
+    ("settings differ", [_row(0), _row(1, settings=8)], record(Problem.SETTINGS_MISMATCH, 1, 0, a=1, b=8, c=7)),
+    (
+        "every loading rank ran out",
+        [_row(0, record(Problem.EXHAUSTED, 0, a=0, b=4)), _row(1, record(Problem.EXHAUSTED, 1, a=0, b=4))],
+        record(Problem.EXHAUSTED, c=1),
+    ),
+]
+
+
+@pytest.mark.parametrize(("rows", "expected"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_decide(rows: list[Row], expected: list[int]) -> None:
+    assert decide(rows) == expected
+
+
+def test_rows_round_trip_through_words() -> None:
+    row = _row(3, _refused(3, 1, 17), count=5, loads=0)
+    words = row.words()
+    assert len(words) == ROW_WIDTH
+    assert Row.from_words(words) == Row(list(row.verdict), 5, 0, 3, 0, 0, 0, 2, 11, [7] * len(SETTINGS_FIELDS))
+
+
+@pytest.mark.parametrize("error", [PackingConfigError("capacity=None: fix it"), UnsupportedPinError("no: pin")])
+def test_a_refusal_on_one_process_is_the_error_itself(error: Exception) -> None:
+    with pytest.raises(type(error)) as raised:
+        fail_together(error, 4, None, None)  # type: ignore[arg-type]
+    assert raised.value is error
+
+
+def test_agree_with_a_refusal_raises_its_class_and_message() -> None:
+    error = UnsupportedPinError("scheduler 'x' is unknown: use 'dp_balanced'")
+    assert isinstance(error, REFUSAL_KINDS[1])
+    with pytest.raises(
+        UnsupportedPinError, match=r"scheduler 'x' is unknown: use 'dp_balanced' \(refused on every"
+    ) as raised:
+        agree(None, 4, None, None, refused=error)
+    assert raised.value.__cause__ is error
