@@ -179,6 +179,41 @@ CASES: list[tuple[BadInput, str, tuple[str, ...]]] = [
         CONFIG,
         ("max_seqlen_per_dp_cp_rank=None", "DP rank 1"),
     ),
+    (
+        BadInput("THD max sequences 0", config=(("thd_max_packed_sequences", 0),)),
+        CONFIG,
+        ("thd_max_packed_sequences=0",),
+    ),
+    (
+        BadInput("THD max sequences a float", config=(("thd_max_packed_sequences", 8.0),)),
+        CONFIG,
+        ("thd_max_packed_sequences=8.0",),
+    ),
+    (
+        BadInput("THD max sequences differs on one rank", rank_config=(("thd_max_packed_sequences", 64),)),
+        CONFIG,
+        ("thd_max_packed_sequences", "DP rank 1"),
+    ),
+    (
+        BadInput("pad alignment negative", config=(("pad_packed_seq_alignment", -8),)),
+        CONFIG,
+        ("pad_packed_seq_alignment=-8",),
+    ),
+    (
+        BadInput("pad alignment on one rank", dp_rank=0, rank_config=(("pad_packed_seq_alignment", 8),)),
+        CONFIG,
+        ("pad_packed_seq_alignment", "global rank 0"),
+    ),
+    (
+        BadInput("tail padding policy misspelt", config=(("thd_tail_padding_policy", "extend-last"),)),
+        CONFIG,
+        ("thd_tail_padding_policy='extend-last'", "'extend_last'"),
+    ),
+    (
+        BadInput("CP partition mode misspelt", config=(("cp_partition_mode", "zig-zag"),)),
+        CONFIG,
+        ("cp_partition_mode='zig-zag'", "'zigzag'"),
+    ),
     (BadInput("extra fetch", extra_fetch=True), "ok", ()),
     (BadInput("good input", dp_rank=None), "ok", ()),
     (BadInput("good input, dynamic CP", dp_rank=None, dynamic_cp=True), "ok", ()),

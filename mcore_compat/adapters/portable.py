@@ -109,9 +109,8 @@ def read_settings(model_config: Any) -> Settings:
             f"model_config.pad_packed_seq_alignment={model_config.pad_packed_seq_alignment!r}: THD tail padding "
             "is not implemented by the portable backend; leave it None (pad samples in the dataset instead)"
         )
+    runtime.check_thd_settings(model_config)
     max_seqs = getattr(model_config, "thd_max_packed_sequences", None)
-    if max_seqs is not None and not _positive_int(max_seqs):
-        raise PackingConfigError(f"model_config.thd_max_packed_sequences={max_seqs!r}: use None or a positive int")
     vpp_size = getattr(model_config, "virtual_pipeline_model_parallel_size", None)
     vpp_group = getattr(model_config, "microbatch_group_size_per_vp_stage", None) if vpp_size is not None else None
     if vpp_group is not None and not _positive_int(vpp_group):
@@ -225,6 +224,12 @@ class PortableAdapter(PackingAdapter):
         runtime.check_settings(model_config, pg.dp_cp.size(), dynamic_cp)
         self.require_runnable(model_config)
         settings = read_settings(model_config)
+        mode = getattr(model_config, "cp_partition_mode", runtime.CP_PARTITION_MODES[0])
+        if pg.cp.size() > 1 and mode != runtime.CP_PARTITION_MODES[0]:
+            raise PackingConfigError(
+                f"model_config.cp_partition_mode={mode!r} with context-parallel size {pg.cp.size()}: the portable "
+                f"backend (which runs {settings.scheduler} on this pin) slices sequences zigzag; set it to 'zigzag'"
+            )
         limits = runtime.step_limits(model_config, pg, dynamic_cp)
         if not dynamic_cp:
             return settings, limits, None

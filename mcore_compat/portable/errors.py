@@ -38,6 +38,10 @@ SETTINGS_FIELDS: tuple[str, ...] = (
     "sequence_parallel",
     "virtual_pipeline_model_parallel_size",
     "microbatch_group_size_per_vp_stage",
+    "thd_max_packed_sequences",
+    "pad_packed_seq_alignment",
+    "thd_tail_padding_policy",
+    "cp_partition_mode",
 )
 """The model-config fields a packing step reads, compared between ranks in the agreement (by index)."""
 _NUMERIC_SETTINGS = frozenset(
@@ -46,6 +50,7 @@ _NUMERIC_SETTINGS = frozenset(
         "min_dynamic_context_parallel_size",
         "virtual_pipeline_model_parallel_size",
         "microbatch_group_size_per_vp_stage",
+        "thd_max_packed_sequences",
     }
 )
 """Settings whose word is the value itself, so a message can show it (the others are a digest or a flag)."""

@@ -1,0 +1,120 @@
+"""Runtime THD settings: table-driven rules, and (with ``$MCORE_SRC``) the same verdicts as a dev tree's own code."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from mcore_compat.errors import PackingConfigError
+from mcore_compat.runtime import check_thd_settings
+
+# (fields on the config, a fragment of the error, or None when the settings pass)
+THD_CASES: list[tuple[dict[str, Any], str | None]] = [
+    ({}, None),
+    ({"thd_max_packed_sequences": None, "pad_packed_seq_alignment": None, "thd_tail_padding_policy": None}, None),
+    ({"thd_max_packed_sequences": 4, "pad_packed_seq_alignment": 8}, None),
+    ({"pad_packed_seq_alignment": "max", "thd_tail_padding_policy": "extend_last"}, None),
+    ({"thd_max_packed_sequences": 1, "pad_packed_seq_alignment": 8, "thd_tail_padding_policy": "extend_last"}, None),
+    ({"cp_partition_mode": "contiguous"}, None),
+    ({"thd_max_packed_sequences": 0}, "thd_max_packed_sequences=0: set it to None or a positive int"),
+    ({"thd_max_packed_sequences": 8.0}, "thd_max_packed_sequences=8.0"),
+    ({"thd_max_packed_sequences": True}, "thd_max_packed_sequences=True"),
+    ({"thd_max_packed_sequences": 1, "pad_packed_seq_alignment": 8}, "takes one of the slots"),
+    ({"pad_packed_seq_alignment": 0}, "pad_packed_seq_alignment=0: set it to None, a positive int"),
+    ({"pad_packed_seq_alignment": "8"}, "pad_packed_seq_alignment='8'"),
+    ({"pad_packed_seq_alignment": "MAX"}, "or 'max'"),
+    ({"thd_tail_padding_policy": "extend-last"}, "thd_tail_padding_policy='extend-last': set it to None, "),
+    ({"thd_tail_padding_policy": ""}, "thd_tail_padding_policy=''"),
+    ({"cp_partition_mode": None}, "cp_partition_mode=None: set it to 'zigzag' or 'contiguous'"),
+    ({"cp_partition_mode": "zig-zag"}, "cp_partition_mode='zig-zag'"),
+]
+
+
+@pytest.mark.parametrize(("fields", "fragment"), THD_CASES, ids=[str(c[0]) for c in THD_CASES])
+def test_thd_settings(fields: dict[str, Any], fragment: str | None) -> None:
+    config = SimpleNamespace(**fields)
+    if fragment is None:
+        check_thd_settings(config)
+        return
+    with pytest.raises(PackingConfigError) as raised:
+        check_thd_settings(config)
+    assert fragment in str(raised.value)
+
+
+_MCORE_VERDICTS = """
+import json, sys
+from types import SimpleNamespace as C
+from megatron.core import packed_seq_params as psp
+from megatron.core.datasets import data_schedule as ds
+
+def refuses(fn, *args):
+    try:
+        fn(*args)
+    except (AssertionError, ValueError, TypeError):
+        return True
+    return False
+
+cases = json.loads(sys.argv[1])
+out = []
+for fields in cases:
+    c = C(**{"thd_max_packed_sequences": None, "pad_packed_seq_alignment": None, "thd_tail_padding_policy": None,
+             **fields})
+    refused = refuses(psp.resolve_thd_tail_padding_policy, c) or refuses(ds._get_scheduler_max_real_num_seqs, c)
+    alignment = c.pad_packed_seq_alignment
+    if isinstance(alignment, int):
+        refused = refused or refuses(psp._round_up_to_alignment, 10, alignment)
+    out.append(refused)
+print(json.dumps(out))
+"""
+
+# Values MCore's own scheduler and fetch read (integers where MCore calls int() on them).
+CROSS_CHECKED = [
+    {},
+    {"thd_max_packed_sequences": 4},
+    {"thd_max_packed_sequences": 0},
+    {"thd_max_packed_sequences": -2},
+    {"thd_max_packed_sequences": 1, "pad_packed_seq_alignment": 8},
+    {"thd_max_packed_sequences": 2, "pad_packed_seq_alignment": 8},
+    {"thd_max_packed_sequences": 1, "pad_packed_seq_alignment": 8, "thd_tail_padding_policy": "extend_last"},
+    {"pad_packed_seq_alignment": 8},
+    {"pad_packed_seq_alignment": 0},
+    {"pad_packed_seq_alignment": -8},
+    {"thd_tail_padding_policy": "append_dummy_seq"},
+    {"thd_tail_padding_policy": "extend_last"},
+    {"thd_tail_padding_policy": "extend-last"},
+    {"thd_tail_padding_policy": "EXTEND_LAST"},
+]
+
+
+def test_thd_rules_match_a_dev_tree() -> None:
+    src = os.environ.get("MCORE_SRC")
+    if not src:
+        pytest.skip("MCORE_SRC is unset: set it to a Megatron-LM dev checkout (see README, Testing)")
+    if not os.path.isfile(os.path.join(src, "megatron", "core", "packed_seq_params.py")):
+        pytest.skip(f"MCORE_SRC={src} is not a Megatron-LM checkout")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run(
+        [sys.executable, "-c", _MCORE_VERDICTS, json.dumps(CROSS_CHECKED)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    if run.returncode and "resolve_thd_tail_padding_policy" in run.stderr:
+        pytest.skip("this tree has no THD tail padding (dev from G6b reads these settings)")
+    assert run.returncode == 0, run.stderr[-2000:]
+    mcore = json.loads(run.stdout.strip().splitlines()[-1])
+    ours = []
+    for fields in CROSS_CHECKED:
+        try:
+            check_thd_settings(SimpleNamespace(**fields))
+            ours.append(False)
+        except PackingConfigError:
+            ours.append(True)
+    assert ours == mcore, list(zip(CROSS_CHECKED, ours, mcore, strict=True))
