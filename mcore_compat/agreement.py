@@ -235,9 +235,10 @@ def _shared_refusal(outcome: Sequence[int], refused: PackingError | None, world:
     if count == world:
         where = "on every rank"
     else:
+        dp = f" (DP rank {dp_rank})" if dp_rank >= 0 else ""
         others = f" and {count - 1} other rank(s)" if count > 1 else ""
         where = (
-            f"on global rank {source} (DP rank {dp_rank}){others} only, while the other ranks' checks pass; "
+            f"on global rank {source}{dp}{others} only, while the other ranks' checks pass; "
             "build the model config and process groups the same way on every rank"
         )
     cls = REFUSAL_KINDS[kind] if 0 <= kind < len(REFUSAL_KINDS) else PackingError

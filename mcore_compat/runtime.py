@@ -28,6 +28,8 @@ __all__ = [
     "check_thd_settings",
     "max_seqlen_per_dp_cp_rank",
     "require_fields",
+    "require_groups",
+    "require_pg_collection",
     "scheduler_name",
     "settings_words",
     "step_limits",
@@ -168,6 +170,30 @@ def require_fields(model_config: Any, fields: tuple[str, ...], why: str) -> None
                 f"model_config has no {name!r}, which {why} reads; set model_config.{name} "
                 "(None when unused, as TransformerConfig defaults it)"
             )
+
+
+PG_GROUPS = ("tp", "pp", "cp", "dp", "dp_cp")
+"""The groups of the ``ProcessGroupCollection`` a packing step reads."""
+_BUILD_PG = "ProcessGroupCollection.use_mpu_process_groups(required_pgs=['tp', 'pp', 'cp', 'dp', 'dp_cp'])"
+
+
+def require_pg_collection(pg_collection: Any) -> None:
+    """A collection was passed (Megatron-Core's fallback to ``parallel_state`` is not taken)."""
+    if pg_collection is None:
+        raise PackingConfigError(
+            f"pg_collection=None: global-batch packing needs the model's ProcessGroupCollection (e.g. {_BUILD_PG})"
+        )
+
+
+def require_groups(pg_collection: Any) -> None:
+    """The collection holds every group of :data:`PG_GROUPS`."""
+    require_pg_collection(pg_collection)
+    missing = [name for name in PG_GROUPS if getattr(pg_collection, name, None) is None]
+    if missing:
+        raise PackingConfigError(
+            f"pg_collection has no {', '.join(missing)} group: global-batch packing reads tp, pp, cp, dp and dp_cp; "
+            f"build it with {_BUILD_PG}"
+        )
 
 
 def step_limits(model_config: Any, pg_collection: Any, dynamic_cp: bool) -> Limits:

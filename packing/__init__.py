@@ -140,24 +140,6 @@ def probe_global_batch_packing_support(scheduler: str, *, dynamic_cp: bool = Fal
     return adapter().probe(scheduler, dynamic_cp=dynamic_cp)
 
 
-def _require_pg_collection(pg_collection: ProcessGroupCollectionLike | None) -> None:
-    if pg_collection is None:
-        raise PackingConfigError(
-            "pg_collection=None: global-batch packing needs the model's ProcessGroupCollection "
-            "(e.g. ProcessGroupCollection.use_mpu_process_groups(required_pgs=['tp', 'pp', 'cp', 'dp', 'dp_cp']))"
-        )
-
-
-def _require_groups(pg_collection: ProcessGroupCollectionLike) -> None:
-    missing = [name for name in ("tp", "pp", "cp", "dp", "dp_cp") if getattr(pg_collection, name, None) is None]
-    if missing:
-        raise PackingConfigError(
-            f"pg_collection has no {', '.join(missing)} group: global-batch packing reads tp, pp, cp, dp and dp_cp; "
-            "build it with ProcessGroupCollection.use_mpu_process_groups(required_pgs=['tp', 'pp', 'cp', 'dp', "
-            "'dp_cp'])"
-        )
-
-
 def _iterator_for_tp_rank(data_iterator: Any, pg_collection: ProcessGroupCollectionLike) -> Any:
     """Return the iterator on TP rank 0 and None elsewhere, as the scheduler requires."""
     return data_iterator if pg_collection.tp.rank() == 0 else None
@@ -186,8 +168,7 @@ def wrap_data_iterator_for_global_batch_packing(
     """
     chosen = adapter()
     try:
-        _require_pg_collection(pg_collection)
-        _require_groups(pg_collection)
+        runtime.require_groups(pg_collection)
         runtime.check_settings(model_config, pg_collection.dp_cp.size(), chosen.dynamic_cp_enabled(model_config))
         chosen.require_runnable(model_config)
     except SETUP_ERRORS as error:
@@ -233,7 +214,7 @@ def get_batch_for_global_batch_packing(
     Returns ``(tokens, labels, loss_mask, attention_mask, position_ids, packed_seq_params, padding_mask)``;
     ``attention_mask`` is always None (THD) and ``padding_mask`` is None on pins whose fetch returns six values.
     """
-    _require_pg_collection(pg_collection)
+    runtime.require_pg_collection(pg_collection)
     chosen = adapter()
     portable_api = _portable_api_for(chosen, model_config)
     _, fetch = portable_api or _scheduler_api()
@@ -272,5 +253,5 @@ def finalize_packed_seq_params(packed_seq_params: Any, pg_collection: ProcessGro
     """
     if packed_seq_params is None:
         return None
-    _require_pg_collection(pg_collection)
+    runtime.require_pg_collection(pg_collection)
     return adapter().finalize(packed_seq_params, pg_collection, route_prebuilder=_thd_cp_route_prebuilder)

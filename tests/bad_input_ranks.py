@@ -46,6 +46,8 @@ class BadInput:
     """Model-config overrides on the ranks ``dp_rank`` names only (ranks that read different settings)."""
     dynamic_cp: bool = False
     """Run with ``default_dynamic_cp`` on dynamic-CP groups (the model support applied, as a trainer does)."""
+    pg_drop: tuple[str, ...] = ()
+    """Groups missing from the ``pg_collection`` that ``wrap`` gets on the ranks ``dp_rank`` names (``"*"``: None)."""
 
 
 def _per_token(sample: dict, fn: Callable[[torch.Tensor], torch.Tensor], keys: Sequence[str]) -> dict:
@@ -193,6 +195,17 @@ def _config(case: Case, bad: BadInput, dp_rank: int) -> SimpleNamespace:
     return config
 
 
+def _wrap_pg(bad: BadInput, pg: Any) -> Any:
+    """The collection ``wrap`` gets: ``pg``, or on the ranks the case names a copy without ``bad.pg_drop``."""
+    if not bad.pg_drop or not (bad.dp_rank is None or bad.dp_rank == pg.dp.rank()):
+        return pg
+    if "*" in bad.pg_drop:
+        return None
+    return SimpleNamespace(
+        **{name: getattr(pg, name) for name in ("tp", "pp", "cp", "dp", "dp_cp") if name not in bad.pg_drop}
+    )
+
+
 def _run(bad: BadInput, case: Case, pg: Any, rank: int) -> Outcome:
     import packing
 
@@ -201,10 +214,13 @@ def _run(bad: BadInput, case: Case, pg: Any, rank: int) -> Outcome:
     if bad.num_microbatches is not None and (bad.dp_rank is None or bad.dp_rank == pg.dp.rank()):
         num_microbatches = bad.num_microbatches
     source = _source(case, bad, pg)
+    wrap_pg = _wrap_pg(bad, pg)
     start = time.perf_counter()
     outcome = Outcome(bad.name, rank, "ok", "")
     try:
-        packed, count, _, _ = packing.wrap_data_iterator_for_global_batch_packing(source, config, num_microbatches, pg)
+        packed, count, _, _ = packing.wrap_data_iterator_for_global_batch_packing(
+            source, config, num_microbatches, wrap_pg
+        )
         outcome.microbatches = count
         for _ in range(count):
             batch = packing.get_batch_for_global_batch_packing(packed, config, pg_collection=pg, vp_stage=None)

@@ -214,6 +214,16 @@ CASES: list[tuple[BadInput, str, tuple[str, ...]]] = [
         CONFIG,
         ("cp_partition_mode='zig-zag'", "'zigzag'"),
     ),
+    (
+        BadInput("pg_collection None on one rank", pg_drop=("*",)),
+        CONFIG,
+        ("pg_collection=None", "use_mpu_process_groups", "on global rank", "only"),
+    ),
+    (
+        BadInput("pg_collection without dp_cp on one rank", dp_rank=0, pg_drop=("dp_cp",)),
+        CONFIG,
+        ("pg_collection has no dp_cp group", "DP rank 0", "only"),
+    ),
     (BadInput("extra fetch", extra_fetch=True), "ok", ()),
     (BadInput("good input", dp_rank=None), "ok", ()),
     (BadInput("good input, dynamic CP", dp_rank=None, dynamic_cp=True), "ok", ()),

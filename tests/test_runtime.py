@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from mcore_compat.errors import PackingConfigError
-from mcore_compat.runtime import check_thd_settings
+from mcore_compat.runtime import check_thd_settings, require_groups
 
 # (fields on the config, a fragment of the error, or None when the settings pass)
 THD_CASES: list[tuple[dict[str, Any], str | None]] = [
@@ -118,3 +118,23 @@ def test_thd_rules_match_a_dev_tree() -> None:
         except PackingConfigError:
             ours.append(True)
     assert ours == mcore, list(zip(CROSS_CHECKED, ours, mcore, strict=True))
+
+
+_GROUPS = {name: object() for name in ("tp", "pp", "cp", "dp", "dp_cp")}
+PG_CASES: list[tuple[Any, str | None]] = [
+    (SimpleNamespace(**_GROUPS), None),
+    (None, "pg_collection=None: global-batch packing needs the model's ProcessGroupCollection"),
+    (SimpleNamespace(**{**_GROUPS, "dp_cp": None}), "pg_collection has no dp_cp group"),
+    (SimpleNamespace(tp=object()), "pg_collection has no pp, cp, dp, dp_cp group"),
+]
+
+
+@pytest.mark.parametrize(("pg_collection", "fragment"), PG_CASES, ids=["complete", "None", "no dp_cp", "tp only"])
+def test_process_groups(pg_collection: Any, fragment: str | None) -> None:
+    if fragment is None:
+        require_groups(pg_collection)
+        return
+    with pytest.raises(PackingConfigError) as raised:
+        require_groups(pg_collection)
+    assert fragment in str(raised.value)
+    assert "use_mpu_process_groups" in str(raised.value)

@@ -157,6 +157,7 @@ class NativeSchedulerAdapter(PackingAdapter):
 
     def _step_limits(self, model_config: Any, pg_collection: Any) -> Limits:
         """Check this rank's settings as the pin's scheduler will read them; the limits its samples must meet."""
+        runtime.require_groups(pg_collection)
         self._check_runtime_config(model_config)
         dynamic_cp = self.dynamic_cp_enabled(model_config)
         if dynamic_cp:

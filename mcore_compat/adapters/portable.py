@@ -220,6 +220,7 @@ class PortableAdapter(PackingAdapter):
     def _step_settings(self, model_config: Any, pg: Any) -> tuple[Settings, Limits, int | None]:
         """Check this rank's settings; return them, the limits its samples must meet and, under dynamic CP,
         the minimum group size (None for static CP)."""
+        runtime.require_groups(pg)
         dynamic_cp = self.dynamic_cp_enabled(model_config)
         runtime.check_settings(model_config, pg.dp_cp.size(), dynamic_cp)
         self.require_runnable(model_config)
