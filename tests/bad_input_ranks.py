@@ -79,6 +79,16 @@ def _prepacked_decreasing(sample: dict) -> dict:
     return out
 
 
+def _prepacked(sample: dict) -> dict:
+    """The same sequence as a pre-packed sample (``cu_seqlens`` real, ``cu_seqlens_padded`` padded)."""
+    out = {k: v for k, v in sample.items() if not k.endswith("seq_len")}
+    padded = int(sample["padded_seq_len"])
+    original = int(sample.get("original_seq_len", sample["padded_seq_len"]))
+    out["cu_seqlens"] = torch.tensor([0, original], dtype=torch.int32)
+    out["cu_seqlens_padded"] = torch.tensor([0, padded], dtype=torch.int32)
+    return out
+
+
 class _UndecodableSample(dict):
     """A lazily decoded sample whose decoding fails when a field is read (``get``, as the checks read it)."""
 
@@ -121,6 +131,7 @@ def mutate(name: str, item: Any, capacity: int, align: int) -> Any:
         "shifted_positions": lambda: {**s, "position_ids": s["position_ids"] + 1},
         "both_forms": lambda: {**s, "cu_seqlens": torch.tensor([0, n], dtype=torch.int32)},
         "cu_decreasing": lambda: _prepacked_decreasing(s),
+        "prepacked": lambda: _prepacked(s),
         "oversize": lambda: _oversize(s, capacity + align),
         "misaligned": lambda: _oversize(s, capacity - 1),
     }

@@ -55,6 +55,8 @@ CASES: list[tuple[BadInput, str, tuple[str, ...]]] = [
     (BadInput("zero position_ids", "zero_positions"), BAD, ("position_ids[1]=0", "torch.arange")),
     (BadInput("shifted position_ids", "shifted_positions", dp_rank=0), BAD, ("position_ids[0]=1", "DP rank 0")),
     (BadInput("both forms", "both_forms"), BAD, ("mixes sample forms", "exactly one")),
+    (BadInput("forms mixed within a rank", "prepacked", index=2), BAD, ("sample 2", "mixes sample forms")),
+    (BadInput("pre-packed on one rank, unpacked on the others", "prepacked", index=-1), "ok", ()),
     (
         BadInput("cu_seqlens decreasing", "cu_decreasing", index=-1),
         BAD,
@@ -278,3 +280,11 @@ def test_a_fetch_after_the_last_microbatch_raises_stop_iteration_on_every_rank(o
 def test_good_input_after_bad_input_runs(outcomes: dict):
     ranks = outcomes["runs"]["good input"]
     assert {o.microbatches for o in ranks} != {0}
+
+
+def test_samples_in_either_form_pack_the_same(outcomes: dict):
+    """Pre-packed samples on one DP rank give every rank the very microbatches the unpacked samples give."""
+    good = {o.rank: o.tokens for o in outcomes["runs"]["good input"]}
+    mixed = {o.rank: o.tokens for o in outcomes["runs"]["pre-packed on one rank, unpacked on the others"]}
+    assert all(good.values())
+    assert mixed == good
