@@ -104,17 +104,18 @@ def max_seqlen_per_dp_cp_rank(model_config: Any) -> int:
     return int(capacity)
 
 
-def check_thd_settings(model_config: Any) -> None:
+def check_thd_settings(model_config: Any, owner: str = "model_config") -> None:
     """Megatron-Core's THD options, where the config has them, hold values its scheduler and fetch accept.
 
     Dev pins read ``thd_max_packed_sequences`` when scheduling and ``pad_packed_seq_alignment``,
     ``thd_tail_padding_policy`` and ``cp_partition_mode`` in the packed fetch, where a bad value is a raw
-    error deep in the step (the portable backend refuses THD padding outright).
+    error deep in the step (the portable backend refuses THD padding outright). Messages name each field
+    as ``{owner}.{field}`` (validation passes ``"model"``).
     """
     max_seqs = getattr(model_config, "thd_max_packed_sequences", None)
     if max_seqs is not None and not _is_positive_int(max_seqs):
         raise PackingConfigError(
-            f"model_config.thd_max_packed_sequences={max_seqs!r}: set it to None or a positive int, the most "
+            f"{owner}.thd_max_packed_sequences={max_seqs!r}: set it to None or a positive int, the most "
             "sequences one packed microbatch holds"
         )
     alignment = getattr(model_config, "pad_packed_seq_alignment", None)
@@ -124,25 +125,25 @@ def check_thd_settings(model_config: Any) -> None:
         and not _is_positive_int(alignment)
     ):
         raise PackingConfigError(
-            f"model_config.pad_packed_seq_alignment={alignment!r}: set it to None, a positive int (pad each packed "
+            f"{owner}.pad_packed_seq_alignment={alignment!r}: set it to None, a positive int (pad each packed "
             "microbatch to a multiple of it) or 'max' (pad it to max_seqlen_per_dp_cp_rank)"
         )
     policy = getattr(model_config, "thd_tail_padding_policy", None)
     if policy is not None and not (isinstance(policy, str) and policy in THD_TAIL_POLICIES):
         raise PackingConfigError(
-            f"model_config.thd_tail_padding_policy={policy!r}: set it to None, "
+            f"{owner}.thd_tail_padding_policy={policy!r}: set it to None, "
             f"{' or '.join(map(repr, THD_TAIL_POLICIES))}"
         )
     if hasattr(model_config, "cp_partition_mode"):
         mode = model_config.cp_partition_mode
         if not (isinstance(mode, str) and mode in CP_PARTITION_MODES):
             raise PackingConfigError(
-                f"model_config.cp_partition_mode={mode!r}: set it to {' or '.join(map(repr, CP_PARTITION_MODES))} "
+                f"{owner}.cp_partition_mode={mode!r}: set it to {' or '.join(map(repr, CP_PARTITION_MODES))} "
                 "(zigzag is the default)"
             )
     if alignment is not None and (policy or THD_TAIL_POLICIES[0]) == THD_TAIL_POLICIES[0] and max_seqs == 1:
         raise PackingConfigError(
-            f"model_config.thd_max_packed_sequences=1 with pad_packed_seq_alignment={alignment!r}: the padding tail "
+            f"{owner}.thd_max_packed_sequences=1 with pad_packed_seq_alignment={alignment!r}: the padding tail "
             "is appended as a dummy sequence, which takes one of the slots; set thd_max_packed_sequences to 2 or "
             "more (or thd_tail_padding_policy='extend_last')"
         )

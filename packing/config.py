@@ -12,7 +12,9 @@ because validation writes to them.
     ``dynamic_context_parallel`` [False], ``min_dynamic_context_parallel_size`` [1],
     ``hybrid_context_parallel`` [False], ``max_seqlen_per_dp_cp_rank`` [None], ``seq_length`` [None],
     ``calculate_per_token_loss`` [False],
-    ``cuda_graph_impl`` ["none"], ``enable_cuda_graph`` [False], ``is_hybrid_model`` [False]
+    ``cuda_graph_impl`` ["none"], ``enable_cuda_graph`` [False], ``is_hybrid_model`` [False],
+    and where present Megatron-Core's THD options ``thd_max_packed_sequences``, ``pad_packed_seq_alignment``,
+    ``thd_tail_padding_policy`` and ``cp_partition_mode`` (the runtime's rules, ``runtime.check_thd_settings``)
 ``cfg.dataset``
     ``enable_global_batch_packing`` [False], ``enable_offline_packing`` [False],
     ``enable_in_batch_packing`` [False], ``packing_buffer_size`` [None] (Energon),
@@ -43,7 +45,7 @@ import math
 from typing import Any, NamedTuple
 
 import packing as facade
-from mcore_compat import detect
+from mcore_compat import adapter, detect, runtime
 from mcore_compat.errors import PackingConfigError, UnsupportedPinError
 from mcore_compat.portable import SCHEDULERS as PORTABLE_SCHEDULERS
 from packing.global_batch import REQUIRED_SAMPLE_KEYS, alignment_multiple
@@ -329,6 +331,19 @@ def _check_capacity(cfg: Any, pool: int, pool_name: str, seq_length: int) -> Non
         )
 
 
+def _config_refusal(model: Any, scheduler: str) -> str | None:
+    """The pin's refusal of a model setting with ``scheduler`` in place (``model`` is left as it was)."""
+    had, previous = hasattr(model, "sequence_packing_scheduler"), getattr(model, "sequence_packing_scheduler", None)
+    model.sequence_packing_scheduler = scheduler
+    try:
+        return adapter().config_refusal(model)
+    finally:
+        if had:
+            model.sequence_packing_scheduler = previous
+        else:
+            del model.sequence_packing_scheduler
+
+
 def validate_global_batch_packing(cfg: Any) -> bool:
     """Check every rule of global-batch packing and apply its defaults; return whether packing is on.
 
@@ -359,6 +374,7 @@ def validate_global_batch_packing(cfg: Any) -> bool:
     layout = _layout(cfg)
     _check_thd_loss_mode(cfg, layout)
     _check_unsupported_features(cfg)
+    runtime.check_thd_settings(cfg.model, owner="model")
     dynamic_cp = _dynamic_cp(cfg)
     if dynamic_cp:
         pool, pool_name = _check_dynamic_cp(cfg, layout), "dp x cp"
@@ -390,6 +406,9 @@ def validate_global_batch_packing(cfg: Any) -> bool:
             f"model.sequence_packing_scheduler={scheduler!r} cannot run on the pinned Megatron-Core: {reason}"
         )
 
+    refusal = _config_refusal(cfg.model, scheduler)
+    if refusal is not None:
+        raise UnsupportedPinError(refusal)
     cfg.model.sequence_packing_scheduler = scheduler
     cfg.dataset.global_batch_packing_pad_to_multiple_of = multiple
     return True

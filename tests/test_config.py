@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 
 import packing
+from mcore_compat import adapter
+from mcore_compat.errors import UnsupportedPinError
 from packing.config import CONFIG_DEFAULTS, validate_global_batch_packing
 from tests.conftest import CLONE_HINT
 
@@ -416,6 +418,27 @@ BAD = [
         DYNAMIC | {"model.max_seqlen_per_dp_cp_rank": 1000},
         ["model.max_seqlen_per_dp_cp_rank=1000", "dp x cp (4) x 1000 = 4000", "at least 1024"],
     ),
+    # THD options where the model config has them (Megatron-Core dev reads them in the scheduler and the fetch)
+    (
+        "thd-max-sequences-zero",
+        {"model.thd_max_packed_sequences": 0},
+        ["model.thd_max_packed_sequences=0", "None or a positive int"],
+    ),
+    (
+        "thd-tail-policy-misspelt",
+        {"model.thd_tail_padding_policy": "extend-last"},
+        ["model.thd_tail_padding_policy='extend-last'", "'extend_last'"],
+    ),
+    (
+        "pad-alignment-negative",
+        {"model.pad_packed_seq_alignment": -8},
+        ["model.pad_packed_seq_alignment=-8", "'max'"],
+    ),
+    (
+        "cp-partition-mode-unknown",
+        {"model.cp_partition_mode": "ring"},
+        ["model.cp_partition_mode='ring'", "'zigzag'"],
+    ),
     (
         "D4-capacity-unset",
         DYNAMIC | {"model.max_seqlen_per_dp_cp_rank": DROP},
@@ -463,6 +486,17 @@ def test_probe_failure_is_raised_and_nothing_written(
         f"scheduler {scheduler!r} is not registered; switch the pin"
     )
     assert calls == [(scheduler, dynamic_cp)]
+    assert not hasattr(cfg.model, "sequence_packing_scheduler")
+    assert not hasattr(cfg.dataset, "global_batch_packing_pad_to_multiple_of")
+
+
+@pytest.mark.skipif(adapter().backend != "portable", reason="the installed pin runs dp_balanced natively")
+def test_thd_tail_padding_on_the_portable_backend_is_refused_and_nothing_written() -> None:
+    cfg = make_cfg({"model.pad_packed_seq_alignment": 64})
+    with pytest.raises(UnsupportedPinError) as err:
+        validate_global_batch_packing(cfg)
+    assert "pad_packed_seq_alignment=64" in str(err.value)
+    assert "pad samples in the dataset" in str(err.value)
     assert not hasattr(cfg.model, "sequence_packing_scheduler")
     assert not hasattr(cfg.dataset, "global_batch_packing_pad_to_multiple_of")
 

@@ -82,6 +82,12 @@ class NativeSchedulerAdapter(PackingAdapter):
             return self._portable().data_probe(scheduler, dynamic_cp=dynamic_cp)
         return self.probe(scheduler, dynamic_cp=dynamic_cp)
 
+    def config_refusal(self, model_config: Any) -> str | None:
+        """The portable backend's rules where this config runs there, else the base rule."""
+        if self._config_runs_portably(model_config):
+            return self._portable().config_refusal(model_config)
+        return super().config_refusal(model_config)
+
     def _runs_portably(self, scheduler: Any, dynamic_cp: bool) -> bool:
         """What the portable backend runs here: a portable scheduler name the pin's (readable) registry lacks,
         and dynamic CP where MCore's own scheduler does not form dynamic groups (main: its registry has no

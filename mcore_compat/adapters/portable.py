@@ -104,11 +104,6 @@ def _positive_int(value: Any) -> bool:
 def read_settings(model_config: Any) -> Settings:
     """Read and check the config (``wrap`` shares a refusal with every rank through the agreement)."""
     capacity = runtime.max_seqlen_per_dp_cp_rank(model_config)
-    if getattr(model_config, "pad_packed_seq_alignment", None) is not None:
-        raise PackingConfigError(
-            f"model_config.pad_packed_seq_alignment={model_config.pad_packed_seq_alignment!r}: THD tail padding "
-            "is not implemented by the portable backend; leave it None (pad samples in the dataset instead)"
-        )
     runtime.check_thd_settings(model_config)
     max_seqs = getattr(model_config, "thd_max_packed_sequences", None)
     vpp_size = getattr(model_config, "virtual_pipeline_model_parallel_size", None)
@@ -172,6 +167,19 @@ class PortableAdapter(PackingAdapter):
                 self.switch_remedy(DYNAMIC_CP_SCHEDULERS[0], True, lambda row: row.dynamic_cp_group_getter is not None),
             )
         return None
+
+    def config_refusal(self, model_config: Any) -> str | None:
+        """Besides the base rule: THD tail padding (``pad_packed_seq_alignment``), which this backend does not do."""
+        reason = super().config_refusal(model_config)
+        alignment = getattr(model_config, "pad_packed_seq_alignment", None)
+        if reason is not None or alignment is None:
+            return reason
+        return self.refusal(
+            f"model_config.pad_packed_seq_alignment={alignment!r}: the portable backend, which packs "
+            f"{getattr(model_config, 'sequence_packing_scheduler', SCHEDULER)!r} here, does not pad packed "
+            "microbatches (THD tail padding)",
+            "Leave pad_packed_seq_alignment None and pad samples in the dataset instead.",
+        )
 
     def dynamic_cp_refusal(self, model_config: Any = None) -> str | None:
         """Why ``default_dynamic_cp`` cannot run here: no DP x CP sub-groups, or a model that ignores them."""

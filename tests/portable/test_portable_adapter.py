@@ -39,7 +39,7 @@ def test_read_settings(fields, expected):
         ({"max_seqlen_per_dp_cp_rank": None}, "max_seqlen_per_dp_cp_rank=None"),
         ({"max_seqlen_per_dp_cp_rank": 0}, "max_seqlen_per_dp_cp_rank=0"),
         ({"max_seqlen_per_dp_cp_rank": True}, "max_seqlen_per_dp_cp_rank=True"),
-        ({"pad_packed_seq_alignment": 128}, "pad_packed_seq_alignment=128"),
+        ({"pad_packed_seq_alignment": -128}, "pad_packed_seq_alignment=-128"),
         ({"thd_max_packed_sequences": 0}, "thd_max_packed_sequences=0"),
         (
             {"virtual_pipeline_model_parallel_size": 2, "microbatch_group_size_per_vp_stage": 0},
@@ -108,3 +108,18 @@ def test_probe_on_the_installed_release(scheduler, dynamic_cp, expected):
         assert reason is None
     else:
         assert expected in reason
+
+
+@on_portable_pin
+@pytest.mark.parametrize(("alignment", "refused"), [(None, False), (128, True), ("max", True)])
+def test_thd_tail_padding_is_refused_by_the_portable_backend(alignment, refused):
+    adapters.reset()
+    adapter = adapters.adapter()
+    reason = adapter.config_refusal(
+        config(pad_packed_seq_alignment=alignment, sequence_packing_scheduler="dp_balanced")
+    )
+    if not refused:
+        assert reason is None
+    else:
+        assert f"pad_packed_seq_alignment={alignment!r}" in reason
+        assert "pad samples in the dataset" in reason
