@@ -35,7 +35,7 @@ DIST_PIN = (
 )
 PROJECT_VERSION = tomllib.loads((PROJECT / "pyproject.toml").read_text())["project"]["version"]
 
-MCORE_SRC = os.environ.get("MCORE_SRC")
+MCORE_SRC = os.environ.get("MCORE_SRC") or None  # empty means unset, as for the ranks (locate_mcore)
 
 
 @pytest.fixture
