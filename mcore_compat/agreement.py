@@ -17,7 +17,7 @@ else can hang.
 A rank whose own checks of its settings refuse the step (a capacity of None, a misspelt scheduler, a
 dynamic-CP rule) does not raise alone either: :func:`fail_together` joins the same agreement with the
 refusal, and every rank then raises the refusing rank's error class with its message (the text follows in
-one broadcast, on the failing path only).
+one broadcast, on the failing path only), which names the refusing rank unless every rank refused.
 
 The row is fixed-width, so ranks that disagree on ``num_microbatches`` meet in a collective of the
 same size and learn it from the rows instead of aborting inside the transport; a ``num_microbatches``
@@ -232,14 +232,12 @@ def _shared_refusal(outcome: Sequence[int], refused: PackingError | None, world:
             buffer.copy_(torch.tensor(list(text.encode()), dtype=torch.uint8))
         dist.broadcast(buffer, source)
         text = bytes(buffer.cpu().tolist()).decode(errors="replace")
-    if count == world:
-        where = "on every rank"
-    else:
+    if count < world:
         dp = f" (DP rank {dp_rank})" if dp_rank >= 0 else ""
         others = f" and {count - 1} other rank(s)" if count > 1 else ""
-        where = (
-            f"on global rank {source}{dp}{others} only, while the other ranks' checks pass; "
-            "build the model config and process groups the same way on every rank"
+        text += (
+            f" (refused on global rank {source}{dp}{others} only, while the other ranks' checks pass; "
+            "build the model config and process groups the same way on every rank)"
         )
     cls = REFUSAL_KINDS[kind] if 0 <= kind < len(REFUSAL_KINDS) else PackingError
-    return cls(f"{text} (refused {where})")
+    return cls(text)

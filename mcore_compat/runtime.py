@@ -131,8 +131,7 @@ def check_thd_settings(model_config: Any, owner: str = "model_config") -> None:
     policy = getattr(model_config, "thd_tail_padding_policy", None)
     if policy is not None and not (isinstance(policy, str) and policy in THD_TAIL_POLICIES):
         raise PackingConfigError(
-            f"{owner}.thd_tail_padding_policy={policy!r}: set it to None, "
-            f"{' or '.join(map(repr, THD_TAIL_POLICIES))}"
+            f"{owner}.thd_tail_padding_policy={policy!r}: set it to None, {' or '.join(map(repr, THD_TAIL_POLICIES))}"
         )
     if hasattr(model_config, "cp_partition_mode"):
         mode = model_config.cp_partition_mode

@@ -62,8 +62,7 @@ def test_a_refusal_on_one_process_is_the_error_itself(error: Exception) -> None:
 def test_agree_with_a_refusal_raises_its_class_and_message() -> None:
     error = UnsupportedPinError("scheduler 'x' is unknown: use 'dp_balanced'")
     assert isinstance(error, REFUSAL_KINDS[1])
-    with pytest.raises(
-        UnsupportedPinError, match=r"scheduler 'x' is unknown: use 'dp_balanced' \(refused on every"
-    ) as raised:
+    with pytest.raises(UnsupportedPinError) as raised:
         agree(None, 4, None, None, refused=error)
+    assert str(raised.value) == str(error)
     assert raised.value.__cause__ is error
