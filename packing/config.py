@@ -331,19 +331,6 @@ def _check_capacity(cfg: Any, pool: int, pool_name: str, seq_length: int) -> Non
         )
 
 
-def _config_refusal(model: Any, scheduler: str) -> str | None:
-    """The pin's refusal of a model setting with ``scheduler`` in place (``model`` is left as it was)."""
-    had, previous = hasattr(model, "sequence_packing_scheduler"), getattr(model, "sequence_packing_scheduler", None)
-    model.sequence_packing_scheduler = scheduler
-    try:
-        return adapter().config_refusal(model)
-    finally:
-        if had:
-            model.sequence_packing_scheduler = previous
-        else:
-            del model.sequence_packing_scheduler
-
-
 def validate_global_batch_packing(cfg: Any) -> bool:
     """Check every rule of global-batch packing and apply its defaults; return whether packing is on.
 
@@ -406,7 +393,7 @@ def validate_global_batch_packing(cfg: Any) -> bool:
             f"model.sequence_packing_scheduler={scheduler!r} cannot run on the pinned Megatron-Core: {reason}"
         )
 
-    refusal = _config_refusal(cfg.model, scheduler)
+    refusal = adapter().config_refusal(cfg.model, scheduler)
     if refusal is not None:
         raise UnsupportedPinError(refusal)
     cfg.model.sequence_packing_scheduler = scheduler

@@ -186,14 +186,15 @@ class PackingAdapter(ABC):
                 "set it to 'dp_balanced' (or 'default_dynamic_cp' with dynamic context parallelism)"
             )
         reason = self.probe(scheduler, dynamic_cp=self.dynamic_cp_enabled(model_config)) or self.config_refusal(
-            model_config
+            model_config, scheduler
         )
         if reason is not None:
             raise UnsupportedPinError(reason)
         return scheduler
 
-    def config_refusal(self, model_config: Any) -> str | None:
-        """A model-config flag that would take the step away from packed microbatches on this pin, or None."""
+    def config_refusal(self, model_config: Any, scheduler: str) -> str | None:
+        """A model-config setting this pin cannot run ``scheduler`` with (e.g. a flag that would take the step
+        away from packed microbatches), or None."""
         flag = self.facts.schedule_diverts_on
         if flag is None or getattr(model_config, flag, None) is not True:
             return None

@@ -82,11 +82,11 @@ class NativeSchedulerAdapter(PackingAdapter):
             return self._portable().data_probe(scheduler, dynamic_cp=dynamic_cp)
         return self.probe(scheduler, dynamic_cp=dynamic_cp)
 
-    def config_refusal(self, model_config: Any) -> str | None:
-        """The portable backend's rules where this config runs there, else the base rule."""
-        if self._config_runs_portably(model_config):
-            return self._portable().config_refusal(model_config)
-        return super().config_refusal(model_config)
+    def config_refusal(self, model_config: Any, scheduler: str) -> str | None:
+        """The portable backend's rules where ``scheduler`` runs there with this config, else the base rule."""
+        if self._runs_portably(scheduler, self.dynamic_cp_enabled(model_config)):
+            return self._portable().config_refusal(model_config, scheduler)
+        return super().config_refusal(model_config, scheduler)
 
     def _runs_portably(self, scheduler: Any, dynamic_cp: bool) -> bool:
         """What the portable backend runs here: a portable scheduler name the pin's (readable) registry lacks,

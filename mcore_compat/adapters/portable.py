@@ -168,16 +168,15 @@ class PortableAdapter(PackingAdapter):
             )
         return None
 
-    def config_refusal(self, model_config: Any) -> str | None:
+    def config_refusal(self, model_config: Any, scheduler: str) -> str | None:
         """Besides the base rule: THD tail padding (``pad_packed_seq_alignment``), which this backend does not do."""
-        reason = super().config_refusal(model_config)
+        reason = super().config_refusal(model_config, scheduler)
         alignment = getattr(model_config, "pad_packed_seq_alignment", None)
         if reason is not None or alignment is None:
             return reason
         return self.refusal(
             f"model_config.pad_packed_seq_alignment={alignment!r}: the portable backend, which packs "
-            f"{getattr(model_config, 'sequence_packing_scheduler', SCHEDULER)!r} here, does not pad packed "
-            "microbatches (THD tail padding)",
+            f"{scheduler!r} here, does not pad packed microbatches (THD tail padding)",
             "Leave pad_packed_seq_alignment None and pad samples in the dataset instead.",
         )
 

@@ -115,9 +115,7 @@ def test_probe_on_the_installed_release(scheduler, dynamic_cp, expected):
 def test_thd_tail_padding_is_refused_by_the_portable_backend(alignment, refused):
     adapters.reset()
     adapter = adapters.adapter()
-    reason = adapter.config_refusal(
-        config(pad_packed_seq_alignment=alignment, sequence_packing_scheduler="dp_balanced")
-    )
+    reason = adapter.config_refusal(config(pad_packed_seq_alignment=alignment), "dp_balanced")
     if not refused:
         assert reason is None
     else:
