@@ -21,6 +21,7 @@ from mcore_compat.portable.errors import NOT_AN_INT, SETTINGS_FIELDS
 
 __all__ = [
     "CP_PARTITION_MODES",
+    "PG_GROUPS",
     "THD_TAIL_POLICIES",
     "check_dynamic_cp_flags",
     "check_min_dynamic_cp_size",
