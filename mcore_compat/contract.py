@@ -63,6 +63,7 @@ __all__ = [
     "pull",
     "read_step",
     "sample_form",
+    "stage_source",
 ]
 
 TOKEN_FIELDS: tuple[tuple[str, torch.dtype], ...] = (
@@ -132,6 +133,22 @@ class LocalBatch:
     items: list[Any] = field(default_factory=list)
 
 
+def stage_source(data_iterator: Any, stages: int | None, rank: int) -> tuple[Any, int | None, list[int]]:
+    """The iterator a data-loading rank pulls from, its index in the per-stage list, and a problem record.
+
+    With virtual pipeline stages (``stages``: their number, when more than one) ``data_iterator`` is a
+    list of one iterator (or None) per stage, as Megatron-Core's scheduler takes it; the step pulls from
+    the first that is not None.
+    """
+    if stages is None:
+        return data_iterator, None, OK
+    if not isinstance(data_iterator, list | tuple) or len(data_iterator) != stages:
+        given = len(data_iterator) if isinstance(data_iterator, list | tuple) else -1
+        return None, None, record(Problem.NOT_PER_STAGE, rank, a=given, b=stages)
+    position = next((i for i, it in enumerate(data_iterator) if it is not None), None)
+    return (None, None, OK) if position is None else (data_iterator[position], position, OK)
+
+
 def pull(data_iterator: Any, num_microbatches: int, rank: int) -> tuple[list[Any], list[int], BaseException | None]:
     """``next()`` the raw iterator ``num_microbatches`` times; a failure becomes a problem record."""
     if data_iterator is None:
@@ -175,13 +192,15 @@ _STRIDED = torch.strided
 
 
 def _without_data(value: torch.Tensor) -> TensorKind | None:
-    """Why a tensor cannot be packed (no data on the meta device, nested, not dense), or None."""
+    """Why a tensor cannot be packed (no data on the meta device, nested, not dense, in an autograd graph), or None."""
     if value.is_meta:
         return TensorKind.META
     if value.is_nested:
         return TensorKind.NESTED
     if value.layout is not _STRIDED:
         return TensorKind.LAYOUT
+    if value.requires_grad:
+        return TensorKind.REQUIRES_GRAD
     return None
 
 
@@ -229,6 +248,7 @@ def _token_fields(
             and value.numel() == length
             and value.layout is _STRIDED
             and not value.is_meta
+            and not value.requires_grad
         ):
             fields[key] = value  # the common case first; the checks below name what is wrong
             continue
@@ -494,24 +514,49 @@ def _as_unpacked(raw: Mapping[str, Any]) -> list[dict[str, torch.Tensor]]:
     return out
 
 
+def _length_tensor(value: torch.Tensor) -> torch.Tensor | None:
+    """A length field as Megatron-Core's own sample builder makes it (int32, shape ``[1]``), or None if it is."""
+    if value.dtype == torch.int32 and value.dim() == 1:
+        return None
+    return value.reshape(1).to(torch.int32)
+
+
+def _canonical_lengths(raw: dict[str, Any]) -> dict[str, Any] | None:
+    """``raw`` with its length fields as int32 ``[1]`` tensors, or None when they are already.
+
+    Megatron-Core exchanges samples between ranks in collectives sized by their tensors' dtypes: a rank
+    feeding int64 lengths among int32 ones leaves the others waiting (seen on dev); ``[1, 1]``
+    lengths are reshaped too, so every rank hands over the same form.
+    """
+    fixed = {key: _length_tensor(raw[key]) for key in LENGTH_KEYS if key in raw}
+    if all(value is None for value in fixed.values()):
+        return None
+    return {**raw, **{key: value for key, value in fixed.items() if value is not None}}
+
+
 def _convert(raw: dict[str, Any], accepted: tuple[str, ...]) -> list[dict[str, Any]] | None:
     """``raw`` in a form this pin's scheduler reads correctly, or None when it already is."""
     form = sample_form(raw)
     if form == "unpacked":
-        return None if "unpacked" in accepted else [_as_packed(raw)]
-    if "cu_seqlens_padded" not in raw:
-        return None if "packed" in accepted else _as_unpacked(raw)
-    return _as_unpacked(raw) if "unpacked" in accepted else [_as_packed(raw)]
+        if "unpacked" not in accepted:
+            return [_as_packed(raw)]
+        canonical = _canonical_lengths(raw)
+        return None if canonical is None else [canonical]
+    if "unpacked" in accepted:
+        return _as_unpacked(raw)
+    return [_as_packed(raw)] if "cu_seqlens_padded" in raw else None
 
 
 def convert_items(items: list[Any], accepted: tuple[str, ...]) -> list[Any]:
     """Checked items rewritten, where needed, into a form the pin's scheduler accepts.
 
-    Items already in an accepted form come back as the very same objects. Megatron-Core reads
-    ``cu_seqlens`` as the buffer boundaries, so a pre-packed sample with ``cu_seqlens_padded`` is
-    always converted: to unpacked samples where the pin takes them (lossless), else to a pre-packed
-    sample whose ``cu_seqlens`` is the padded one. Unpacked samples on a pin that takes only
-    pre-packed ones become one pre-packed sample each. In both lossy cases the real lengths are lost:
+    Where the pin takes unpacked samples, every pre-packed sample becomes its unpacked sequences
+    (lossless; the scheduler would split it the same way, but with lengths of another dtype than
+    unpacked samples' on other ranks, which its sample exchange cannot mix), and unpacked samples keep
+    their fields with int32 ``[1]`` lengths (:func:`_canonical_lengths`). Megatron-Core reads
+    ``cu_seqlens`` as the buffer boundaries, so on a pin that takes only pre-packed samples one with
+    ``cu_seqlens_padded`` becomes a pre-packed sample whose ``cu_seqlens`` is the padded one, and an
+    unpacked sample becomes one pre-packed sample. In both lossy cases the real lengths are lost:
     each sequence counts as real up to its padded length (``cu_seqlens`` equals
     ``cu_seqlens_padded`` in the packed microbatch, attention runs over the padding tail), and the
     facade writes 0 over the padding slots of every per-token field, so the padding adds no loss.

@@ -22,8 +22,9 @@ from mcore_compat.portable.errors import NOT_AN_INT, SETTINGS_FIELDS
 __all__ = [
     "CP_PARTITION_MODES",
     "PG_GROUPS",
+    "SWITCHES",
     "THD_TAIL_POLICIES",
-    "check_dynamic_cp_flags",
+    "check_switches",
     "check_min_dynamic_cp_size",
     "check_settings",
     "check_thd_settings",
@@ -34,6 +35,7 @@ __all__ = [
     "scheduler_name",
     "settings_words",
     "step_limits",
+    "virtual_stages",
 ]
 
 
@@ -71,9 +73,13 @@ def scheduler_name(model_config: Any, known: tuple[str, ...] = ()) -> str:
     return value
 
 
-def check_dynamic_cp_flags(model_config: Any) -> None:
-    """``dynamic_context_parallel`` (and the deprecated ``hybrid_context_parallel``) is True, False or unset."""
-    for name in ("dynamic_context_parallel", "hybrid_context_parallel"):
+SWITCHES = ("dynamic_context_parallel", "hybrid_context_parallel", "sequence_parallel")
+"""Config switches a packing step reads (``hybrid_context_parallel`` is the deprecated name of the first)."""
+
+
+def check_switches(model_config: Any) -> None:
+    """Each of :data:`SWITCHES` is True, False or unset (None): a string such as ``'False'`` would read as on."""
+    for name in SWITCHES:
         value = getattr(model_config, name, None)
         if value is not None and not isinstance(value, bool):
             raise PackingConfigError(
@@ -149,13 +155,19 @@ def check_thd_settings(model_config: Any, owner: str = "model_config") -> None:
         )
 
 
+def virtual_stages(model_config: Any) -> int | None:
+    """The number of virtual pipeline stages per pipeline rank when there are several, else None."""
+    stages: Any = getattr(model_config, "virtual_pipeline_model_parallel_size", None)
+    return int(stages) if _is_positive_int(stages) and stages > 1 else None
+
+
 def check_settings(model_config: Any, pool: int, dynamic_cp: bool) -> None:
     """Every setting a step reads, before the pin is asked whether it can run them.
 
     A config mistake is reported as one (naming the field and the fix) even where the pin would also
     refuse: fix the config, then the pin. ``pool`` is the DP x CP size.
     """
-    check_dynamic_cp_flags(model_config)
+    check_switches(model_config)
     scheduler_name(model_config)
     if dynamic_cp:
         check_min_dynamic_cp_size(model_config, pool)

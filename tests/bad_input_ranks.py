@@ -134,6 +134,27 @@ def mutate(name: str, item: Any, capacity: int, align: int) -> Any:
         "prepacked": lambda: _prepacked(s),
         "oversize": lambda: _oversize(s, capacity + align),
         "misaligned": lambda: _oversize(s, capacity - 1),
+        "loss_mask_requires_grad": lambda: _per_token(s, lambda v: v.clone().requires_grad_(), ("loss_mask",)),
+        "strided_tokens": lambda: _per_token(s, lambda v: v.repeat_interleave(2)[::2], ("tokens", "labels")),
+        "position_ids_int32": lambda: _per_token(s, lambda v: v.int(), ("position_ids",)),
+        "loss_mask_float16": lambda: _per_token(s, lambda v: v.half(), ("loss_mask",)),
+        "tuple_item": lambda: (s,),
+        "lengths_2d": lambda: {**s, "padded_seq_len": s["padded_seq_len"].reshape(1, 1)},
+        "lengths_int64": lambda: {**s, "padded_seq_len": s["padded_seq_len"].long()},
+        "unsqueezed": lambda: {
+            k: v.unsqueeze(0) if k not in ("padded_seq_len", "original_seq_len") else v for k, v in s.items()
+        },
+        "all_real": lambda: _lengths(s, original=s["padded_seq_len"].clone()),
+        "prepacked_whole32": lambda: {
+            **{k: v for k, v in s.items() if not k.endswith("seq_len")},
+            "cu_seqlens": torch.tensor([0, n], dtype=torch.int32),
+        },
+        "prepacked_whole64": lambda: {
+            **{k: v for k, v in s.items() if not k.endswith("seq_len")},
+            "cu_seqlens": torch.tensor([0, n], dtype=torch.int64),
+        },
+        "huge_padded": lambda: _lengths(s, padded=torch.tensor([1 << 40], dtype=torch.int64)),
+        "numpy_tokens": lambda: {**s, "tokens": s["tokens"].numpy()},
     }
     return table[name]()
 
@@ -171,6 +192,8 @@ def _source(case: Case, bad: BadInput, pg: Any) -> Iterator[Any] | None:
         return iter([next(source) for _ in range(bad.index)])
     if bad.mutation == "raising":
         return _Raising(source, bad.index)
+    if bad.mutation == "none_iterator":
+        return None
     if bad.mutation == "list":
         return [next(source) for _ in range(case.num_microbatches)]  # type: ignore[return-value]
     capacity = case.max_seqlen_per_dp_cp_rank * case.layout.cp
@@ -191,7 +214,8 @@ class Outcome:
     seconds: float = 0.0
     microbatches: int = 0
     fetch: tuple[str, str] = ("skipped", "")
-    tokens: list[list[int]] = field(default_factory=list)
+    fetched: list[list[list[float]]] = field(default_factory=list)
+    """Per fetched microbatch, :func:`_microbatch_record`."""
 
 
 def _config(case: Case, bad: BadInput, dp_rank: int) -> SimpleNamespace:
@@ -217,6 +241,14 @@ def _wrap_pg(bad: BadInput, pg: Any) -> Any:
     )
 
 
+def _microbatch_record(batch: Any) -> list[list[float]]:
+    """A fetched microbatch as lists: tokens, labels, loss mask, positions and the sequence boundaries."""
+    fields = [batch[i] for i in (0, 1, 2, 4)]
+    params = batch[5]
+    bounds = [getattr(params, name, None) for name in ("cu_seqlens_q", "cu_seqlens_q_padded")]
+    return [t.reshape(-1).tolist() if isinstance(t, torch.Tensor) else [] for t in (*fields, *bounds)]
+
+
 def _run(bad: BadInput, case: Case, pg: Any, rank: int) -> Outcome:
     import packing
 
@@ -236,7 +268,7 @@ def _run(bad: BadInput, case: Case, pg: Any, rank: int) -> Outcome:
         for _ in range(count):
             batch = packing.get_batch_for_global_batch_packing(packed, config, pg_collection=pg, vp_stage=None)
             if batch[0] is not None:
-                outcome.tokens.append(batch[0].reshape(-1).tolist())
+                outcome.fetched.append(_microbatch_record(batch))
     except BaseException as exc:  # noqa: BLE001 - the test compares what every rank raised
         outcome.kind, outcome.message = type(exc).__name__, str(exc)
         outcome.bad_sample_error = isinstance(exc, BadSampleError)

@@ -226,6 +226,41 @@ CASES: list[tuple[BadInput, str, tuple[str, ...]]] = [
         CONFIG,
         ("pg_collection has no dp_cp group", "DP rank 0", "only"),
     ),
+    (
+        BadInput("loss_mask requires grad", "loss_mask_requires_grad", index=-1),
+        BAD,
+        ("'loss_mask'", "requires grad", "loss_mask.detach()", "DP rank 1"),
+    ),
+    (BadInput("position_ids int32", "position_ids_int32"), BAD, ("'position_ids'", "torch.int32", "torch.int64")),
+    (BadInput("loss_mask float16", "loss_mask_float16"), BAD, ("'loss_mask'", "torch.float16", "torch.float32")),
+    (BadInput("tokens a numpy array", "numpy_tokens"), BAD, ("'tokens'", "torch.Tensor")),
+    (BadInput("tuple item", "tuple_item"), BAD, ("item 1", "list of dicts")),
+    (BadInput("padded length 2**40", "huge_padded"), BAD, ("padded_seq_len", "1099511627776")),
+    (BadInput("data_iterator None on a loading rank", "none_iterator"), BAD, ("data_iterator=None", "DP rank 1")),
+    (
+        BadInput(
+            "one iterator, not a list per virtual stage",
+            config=(("virtual_pipeline_model_parallel_size", 2), ("microbatch_group_size_per_vp_stage", 4)),
+        ),
+        BAD,
+        ("not a list", "virtual_pipeline_model_parallel_size=2", "one iterator per virtual pipeline stage"),
+    ),
+    (BadInput("num_microbatches -1 on one rank", num_microbatches=-1), CONFIG, ("num_microbatches=-1", "DP rank 1")),
+    (BadInput("num_microbatches True on one rank", num_microbatches=True), CONFIG, ("not an int", "DP rank 1")),
+    (
+        BadInput("sequence_parallel 'False'", config=(("sequence_parallel", "False"),)),
+        CONFIG,
+        ("sequence_parallel='False'", "True or False"),
+    ),
+    (BadInput("int64 lengths on one rank", "lengths_int64", index=-1), "ok", ()),
+    (BadInput("[1, 1] lengths on one rank", "lengths_2d", index=-1), "ok", ()),
+    (BadInput("[1, L] fields on one rank", "unsqueezed", index=-1), "ok", ()),
+    (BadInput("strided tokens and labels on one rank", "strided_tokens", index=-1), "ok", ()),
+    (BadInput("no padding on one rank", "all_real", index=-1), "ok", ()),
+    (BadInput("no padding on every rank", "all_real", index=-1, dp_rank=None), "ok", ()),
+    (BadInput("pre-packed without padded bounds on one rank", "prepacked_whole32", index=-1), "ok", ()),
+    (BadInput("pre-packed without padded bounds on every rank", "prepacked_whole32", index=-1, dp_rank=None), "ok", ()),
+    (BadInput("int64 cu_seqlens on one rank", "prepacked_whole64", index=-1), "ok", ()),
     (BadInput("extra fetch", extra_fetch=True), "ok", ()),
     (BadInput("good input", dp_rank=None), "ok", ()),
     (BadInput("good input, dynamic CP", dp_rank=None, dynamic_cp=True), "ok", ()),
@@ -282,9 +317,24 @@ def test_good_input_after_bad_input_runs(outcomes: dict):
     assert {o.microbatches for o in ranks} != {0}
 
 
-def test_samples_in_either_form_pack_the_same(outcomes: dict):
-    """Pre-packed samples on one DP rank give every rank the very microbatches the unpacked samples give."""
-    good = {o.rank: o.tokens for o in outcomes["runs"]["good input"]}
-    mixed = {o.rank: o.tokens for o in outcomes["runs"]["pre-packed on one rank, unpacked on the others"]}
-    assert all(good.values())
-    assert mixed == good
+GOOD = "good input"
+SAME_MICROBATCHES = [
+    ("pre-packed on one rank, unpacked on the others", GOOD),
+    ("int64 lengths on one rank", GOOD),
+    ("[1, 1] lengths on one rank", GOOD),
+    ("[1, L] fields on one rank", GOOD),
+    ("strided tokens and labels on one rank", GOOD),
+    ("pre-packed without padded bounds on one rank", "no padding on one rank"),
+    ("int64 cu_seqlens on one rank", "no padding on one rank"),
+    ("pre-packed without padded bounds on every rank", "no padding on every rank"),
+]
+
+
+@pytest.mark.parametrize(("name", "reference"), SAME_MICROBATCHES)
+def test_every_accepted_sample_layout_packs_the_same(outcomes: dict, name: str, reference: str):
+    """Samples in either form, with lengths of any integer dtype or ``[1, 1]``, ``[1, L]`` or strided fields on one
+    DP rank give every rank the very microbatches the same sequences give as plain unpacked samples."""
+    expected = {o.rank: o.fetched for o in outcomes["runs"][reference]}
+    other = {o.rank: o.fetched for o in outcomes["runs"][name]}
+    assert all(expected.values())
+    assert other == expected

@@ -1,4 +1,4 @@
-"""Runtime THD settings: table-driven rules, and (with ``$MCORE_SRC``) the same verdicts as a dev tree's own code."""
+"""Runtime settings: table-driven rules, and (with ``$MCORE_SRC``) THD verdicts the same as a dev tree's own code."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from mcore_compat.errors import PackingConfigError
-from mcore_compat.runtime import check_thd_settings, require_groups
+from mcore_compat.runtime import check_switches, check_thd_settings, require_groups, virtual_stages
 
 # (fields on the config, a fragment of the error, or None when the settings pass)
 THD_CASES: list[tuple[dict[str, Any], str | None]] = [
@@ -135,3 +135,26 @@ def test_process_groups(pg_collection: Any, fragment: str | None) -> None:
         assert message is None
     else:
         assert message is not None and fragment in message and "use_mpu_process_groups" in message, message
+
+
+SWITCH_CASES: list[tuple[dict[str, Any], str | None]] = [
+    ({}, None),
+    ({"dynamic_context_parallel": True, "hybrid_context_parallel": None, "sequence_parallel": False}, None),
+    ({"sequence_parallel": "False"}, "model_config.sequence_parallel='False': set it to True or False"),
+    ({"sequence_parallel": 1}, "model_config.sequence_parallel=1"),
+    ({"dynamic_context_parallel": "yes"}, "model_config.dynamic_context_parallel='yes'"),
+    ({"hybrid_context_parallel": 0}, "model_config.hybrid_context_parallel=0"),
+]
+
+
+@pytest.mark.parametrize(("fields", "fragment"), SWITCH_CASES, ids=[str(c[0]) for c in SWITCH_CASES])
+def test_switches_are_bools(fields: dict[str, Any], fragment: str | None) -> None:
+    message = _message(check_switches, SimpleNamespace(**fields))
+    assert message is None if fragment is None else fragment in (message or ""), message
+
+
+@pytest.mark.parametrize(
+    ("value", "stages"), [(None, None), (1, None), (2, 2), (4, 4), (True, None), (2.0, None), ("2", None)]
+)
+def test_virtual_stages(value: Any, stages: int | None) -> None:
+    assert virtual_stages(SimpleNamespace(virtual_pipeline_model_parallel_size=value)) == stages

@@ -20,10 +20,18 @@ from mcore_compat.capabilities import Capabilities
 
 if TYPE_CHECKING:
     from mcore_compat.adapters.portable import PortableAdapter
-from mcore_compat.contract import SAMPLE_FORMS, Limits, LocalBatch, collection_paused, convert_items, read_step
+from mcore_compat.contract import (
+    SAMPLE_FORMS,
+    Limits,
+    LocalBatch,
+    collection_paused,
+    convert_items,
+    read_step,
+    stage_source,
+)
 from mcore_compat.generations import FETCH_FUNCTION, SCHEDULER_MODULE, WRAP_FUNCTION
 from mcore_compat.portable import SCHEDULERS as PORTABLE_SCHEDULERS
-from mcore_compat.portable.errors import Problem, raise_if_bad, record
+from mcore_compat.portable.errors import OK, Problem, raise_if_bad, record
 from mcore_compat.results import SchedulerApi
 
 _EVERY_STAGE_FIELDS = ("pipeline_model_parallel_layout", "mtp_num_layers")
@@ -148,9 +156,10 @@ class NativeSchedulerAdapter(PackingAdapter):
         source, position = None, None
         with collection_paused():  # the step's short-lived check objects must not age into a full collection
             if self.rank_loads_data(pg_collection):
-                source, position = self._stage_source(data_iterator, model_config)
+                dp_rank = pg_collection.dp.rank()
+                source, position, verdict = stage_source(data_iterator, runtime.virtual_stages(model_config), dp_rank)
                 pulls = max(microbatch_count(num_microbatches), 0)  # a bad count is rejected in the agreement
-                batch = read_step(source, pulls, pg_collection.dp.rank(), limits)
+                batch = read_step(source, pulls, dp_rank, limits) if verdict == OK else LocalBatch([], verdict)
             agree(batch, num_microbatches, pg_collection, model_config)
         iterator: Any
         if batch is None:
@@ -173,7 +182,7 @@ class NativeSchedulerAdapter(PackingAdapter):
 
     def _check_runtime_config(self, model_config: Any) -> None:
         """Strict flags and the fields this pin's scheduler reads, identical on every rank."""
-        runtime.check_dynamic_cp_flags(model_config)
+        runtime.check_switches(model_config)
         runtime.scheduler_name(model_config, tuple(self.capabilities.scheduler_names))
         runtime.check_thd_settings(model_config)
         fields: tuple[str, ...] = ("max_seqlen_per_dp_cp_rank", "virtual_pipeline_model_parallel_size")
@@ -185,15 +194,6 @@ class NativeSchedulerAdapter(PackingAdapter):
 
     def _sample_forms(self) -> tuple[str, ...]:
         return self.facts.sample_forms or SAMPLE_FORMS
-
-    @staticmethod
-    def _stage_source(data_iterator: Any, model_config: Any) -> tuple[Any, int | None]:
-        """The iterator MCore pulls from: with VPP the first non-None of the per-stage list (and its index)."""
-        vpp_size = getattr(model_config, "virtual_pipeline_model_parallel_size", None)
-        if isinstance(vpp_size, int) and vpp_size > 1 and isinstance(data_iterator, list | tuple):
-            position = next((i for i, it in enumerate(data_iterator) if it is not None), None)
-            return (None, None) if position is None else (data_iterator[position], position)
-        return data_iterator, None
 
     def get_batch(
         self, data_iterator: Any, model_config: Any, *, pg_collection: Any, vp_stage: int | None
@@ -254,8 +254,8 @@ def no_data(model_config: Any) -> list[None] | None:
 
     With VPP every generation's scheduler takes ``len()`` of the iterator list on every rank.
     """
-    vpp_size = getattr(model_config, "virtual_pipeline_model_parallel_size", None)
-    return [None] * vpp_size if isinstance(vpp_size, int) and vpp_size > 1 else None
+    stages = runtime.virtual_stages(model_config)
+    return None if stages is None else [None] * stages
 
 
 __all__ = [

@@ -43,7 +43,7 @@ import mcore_compat.runtime as runtime
 from mcore_compat.adapters.base import DYNAMIC_CP_SCHEDULERS, PackedBatch, PackingAdapter, RoutePrebuilder, WrapResult
 from mcore_compat.agreement import SETUP_ERRORS, agree, fail_together, microbatch_count
 from mcore_compat.capabilities import Capabilities
-from mcore_compat.contract import Limits, LocalBatch, read_step
+from mcore_compat.contract import Limits, LocalBatch, read_step, stage_source
 from mcore_compat.errors import PackingConfigError, UnsupportedPinError
 from mcore_compat.portable import SCHEDULERS, dynamic, exchange
 from mcore_compat.portable.entry_points import entry_points
@@ -199,9 +199,10 @@ class PortableAdapter(PackingAdapter):
         tp, pp = pg_collection.tp, pg_collection.pp
         batch = None
         if self.rank_loads_data(pg_collection):
-            source = self._stage_iterator(data_iterator, settings)
+            dp_rank = pg_collection.dp.rank()
+            source, _, verdict = stage_source(data_iterator, runtime.virtual_stages(model_config), dp_rank)
             pulls = max(microbatch_count(num_microbatches), 0)  # a bad count is rejected in the agreement
-            batch = read_step(source, pulls, pg_collection.dp.rank(), limits)
+            batch = read_step(source, pulls, dp_rank, limits) if verdict == OK else LocalBatch([], verdict)
         num_microbatches = agree(batch, num_microbatches, pg_collection, model_config)
         device = exchange.group_device(pg_collection.dp_cp)
         if tp.rank() != 0:
@@ -323,13 +324,6 @@ class PortableAdapter(PackingAdapter):
 
     def _every_stage_loads(self) -> bool:
         return self.facts.pipeline_data_stages == "every"
-
-    @staticmethod
-    def _stage_iterator(data_iterator: Any, settings: Settings) -> Any:
-        """With VPP the raw iterator is a list per virtual stage: use the one this stage was given."""
-        if settings.vpp_size is not None and settings.vpp_size > 1 and isinstance(data_iterator, list | tuple):
-            return next((it for it in data_iterator if it is not None), None)
-        return data_iterator
 
     def _pack_step(
         self, batch: LocalBatch, num_microbatches: int, pg: Any, settings: Settings, device: torch.device

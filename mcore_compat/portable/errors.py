@@ -110,6 +110,7 @@ class Problem(enum.IntEnum):
     NOT_AN_ITERATOR = 28
     SETTINGS_MISMATCH = 29
     CONFIG_REFUSED = 30
+    NOT_PER_STAGE = 31
 
 
 class TensorKind(enum.IntEnum):
@@ -118,6 +119,7 @@ class TensorKind(enum.IntEnum):
     META = 1
     LAYOUT = 2
     NESTED = 3
+    REQUIRES_GRAD = 4
 
 
 REFUSAL_KINDS: tuple[type[PackingError], ...] = (PackingConfigError, UnsupportedPinError)
@@ -194,6 +196,7 @@ _TENSOR_KINDS: dict[int, str] = {
     TensorKind.META: "a meta-device tensor (it holds no data)",
     TensorKind.LAYOUT: "a tensor that is not dense (its layout is not torch.strided, e.g. sparse)",
     TensorKind.NESTED: "a nested tensor",
+    TensorKind.REQUIRES_GRAD: "a tensor that requires grad (part of an autograd graph)",
 }
 
 
@@ -216,6 +219,12 @@ def describe(record: Sequence[int]) -> str:
         return (
             f"data_iterator on DP rank {rank} is not an iterator (it has no __next__: e.g. a list or a DataLoader); "
             "pass iter(...) of it"
+        )
+    if problem is Problem.NOT_PER_STAGE:
+        given = "not a list" if a < 0 else f"a list of {a}"
+        return (
+            f"data_iterator on DP rank {rank} is {given} with virtual_pipeline_model_parallel_size={b}; pass a list "
+            f"of {b}, one iterator per virtual pipeline stage (None for a stage that loads no data)"
         )
     if problem is Problem.EXHAUSTED and c:
         return (
@@ -289,6 +298,8 @@ def describe(record: Sequence[int]) -> str:
         )
     if problem is Problem.NO_DATA:
         what = _TENSOR_KINDS.get(b, "a tensor that cannot be packed")
+        if b == TensorKind.REQUIRES_GRAD:
+            return f"{where}: {_key(a)!r} is {what}; build samples from data, e.g. pass {_key(a)}.detach()"
         return (
             f"{where}: {_key(a)!r} is {what}; pass every field as a dense tensor with data "
             "(torch.strided layout, on the CPU or the GPU)"

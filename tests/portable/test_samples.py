@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mcore_compat.contract import convert_items, stage_source
 from mcore_compat.portable.errors import (
     OK,
     SAMPLE_KEYS,
@@ -168,6 +169,14 @@ TENSOR_CASES = [
         record(Problem.NO_DATA, 0, 0, a=KEY("cu_seqlens_padded"), b=TensorKind.META),
     ),
     ([sample(2), _RaisingSample(sample(2))], record(Problem.CHECK_FAILED, 0, 1, a=5)),
+    (
+        [sample(4, loss_mask=torch.ones(4, requires_grad=True))],
+        record(Problem.NO_DATA, 0, 0, a=KEY("loss_mask"), b=TensorKind.REQUIRES_GRAD),
+    ),
+    (
+        [{**prepacked([0, 2, 4]), "loss_mask": torch.ones(4).requires_grad_()}],
+        record(Problem.NO_DATA, 0, 0, a=KEY("loss_mask"), b=TensorKind.REQUIRES_GRAD),
+    ),
 ]
 
 
@@ -225,3 +234,51 @@ def test_position_ids_verdicts_do_not_depend_on_how_they_are_compared(items, exp
     if not numpy_view:
         monkeypatch.setattr(torch.Tensor, "numpy", _numpy_unavailable)
     assert read_step(iter(items), len(items), rank=0, cp_size=1).verdict == expected
+
+
+_ITERATOR = iter(())
+STAGE_CASES = [
+    (_ITERATOR, None, (_ITERATOR, None, OK)),
+    ([None, _ITERATOR], 2, (_ITERATOR, 1, OK)),
+    ((_ITERATOR, None), 2, (_ITERATOR, 0, OK)),
+    ([None, None], 2, (None, None, OK)),
+    (_ITERATOR, 2, (None, None, record(Problem.NOT_PER_STAGE, 3, a=-1, b=2))),
+    ([_ITERATOR], 2, (None, None, record(Problem.NOT_PER_STAGE, 3, a=1, b=2))),
+    ([_ITERATOR, None, None], 2, (None, None, record(Problem.NOT_PER_STAGE, 3, a=3, b=2))),
+]
+
+
+@pytest.mark.parametrize(("data_iterator", "stages", "expected"), STAGE_CASES)
+def test_stage_source(data_iterator, stages, expected):
+    """With virtual pipeline stages the step pulls from the first iterator of a list of one per stage."""
+    assert stage_source(data_iterator, stages, rank=3) == expected
+
+
+def test_a_wrong_per_stage_list_names_the_stage_count():
+    message = str(PortablePackingError(record(Problem.NOT_PER_STAGE, 3, a=1, b=2)))
+    assert "DP rank 3" in message and "a list of 1" in message and "a list of 2, one iterator per virtual" in message
+
+
+LENGTHS = [
+    (torch.tensor([6], dtype=torch.int32), False),
+    (torch.tensor([6], dtype=torch.int64), True),
+    (torch.tensor([[6]], dtype=torch.int32), True),
+    (torch.tensor([[6]], dtype=torch.int16), True),
+    (torch.tensor([6], dtype=torch.uint8), True),
+]
+
+
+@pytest.mark.parametrize("in_accepted_form", [True, False], ids=["unpacked-accepted", "packed-only"])
+@pytest.mark.parametrize(("length", "rewritten"), LENGTHS, ids=lambda v: str(v))
+def test_lengths_reach_megatron_core_as_int32_of_shape_1(length, rewritten, in_accepted_form):
+    """Megatron-Core gathers the lengths in one collective sized by their dtype: every rank hands it int32 [1]."""
+    raw = {**sample(6), "padded_seq_len": length, "original_seq_len": length.clone()}
+    accepted = ("unpacked",) if in_accepted_form else ("packed",)
+    (item,) = convert_items([raw], accepted)
+    if not in_accepted_form:
+        assert "cu_seqlens" in item
+        return
+    assert (item is not raw) == rewritten
+    for key in ("padded_seq_len", "original_seq_len"):
+        assert item[key].dtype == torch.int32 and item[key].shape == (1,) and int(item[key]) == 6
+    assert all(item[key] is raw[key] for key in ("tokens", "labels", "loss_mask", "position_ids"))
