@@ -14,7 +14,9 @@ item is one sample dict or a list of them. A sample comes in one of two forms:
 
 Every sequence: at least one real token, ``original <= padded``, ``padded`` a multiple of
 :func:`alignment_multiple` and at most the bin capacity, ``position_ids`` ``0 .. original - 1`` over
-its real tokens. Extra keys are allowed and ignored.
+its real tokens. Every tensor is dense data (strided, not on the meta device, not requiring grad). Extra
+keys are allowed and ignored. With virtual pipeline stages ``data_iterator`` is a list of one iterator
+(or None) per stage, as Megatron-Core takes it (:func:`stage_source`).
 
 Nothing here raises for bad input: :func:`read_step` returns a problem record (see
 :mod:`mcore_compat.portable.errors`) that the caller ships inside the step's agreement collective,
