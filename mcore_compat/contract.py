@@ -523,17 +523,31 @@ def _length_tensor(value: torch.Tensor) -> torch.Tensor | None:
     return value.reshape(1).to(torch.int32)
 
 
-def _canonical_lengths(raw: dict[str, Any]) -> dict[str, Any] | None:
-    """``raw`` with its length fields as int32 ``[1]`` tensors, or None when they are already.
+_UNPACKED_KEYS = frozenset(REQUIRED_SAMPLE_KEYS)
+_PACKED_KEYS = frozenset((*TOKEN_KEYS, "cu_seqlens"))
 
-    Megatron-Core exchanges samples between ranks in collectives sized by their tensors' dtypes: a rank
-    feeding int64 lengths among int32 ones leaves the others waiting (seen on dev); ``[1, 1]``
-    lengths are reshaped too, so every rank hands over the same form.
+
+def _unpacked_for_scheduler(raw: dict[str, Any]) -> dict[str, Any] | None:
+    """``raw`` with only the contract's keys and int32 ``[1]`` lengths, or None when it already is so.
+
+    Megatron-Core treats every key of a sample as a tensor field and exchanges samples between ranks
+    in collectives sized by their keys and dtypes: an extra key that is not a tensor raises on the
+    loading rank alone, and int64 lengths among int32 ones leave the other ranks waiting (both seen on
+    dev); ``[1, 1]`` lengths are reshaped too, so every rank hands over the same layout.
     """
     fixed = {key: _length_tensor(raw[key]) for key in LENGTH_KEYS if key in raw}
-    if all(value is None for value in fixed.values()):
+    extra = len(raw) > len(TOKEN_KEYS) + len(fixed)
+    if not extra and all(value is None for value in fixed.values()):
         return None
-    return {**raw, **{key: value for key, value in fixed.items() if value is not None}}
+    kept = {key: value for key, value in raw.items() if key in _UNPACKED_KEYS}
+    return {**kept, **{key: value for key, value in fixed.items() if value is not None}}
+
+
+def _packed_for_scheduler(raw: dict[str, Any]) -> dict[str, Any] | None:
+    """A pre-packed sample (``cu_seqlens`` only) with only the contract's keys, or None when it already is so."""
+    if len(raw) == len(_PACKED_KEYS):
+        return None
+    return {key: value for key, value in raw.items() if key in _PACKED_KEYS}
 
 
 def _convert(raw: dict[str, Any], accepted: tuple[str, ...]) -> list[dict[str, Any]] | None:
@@ -542,11 +556,14 @@ def _convert(raw: dict[str, Any], accepted: tuple[str, ...]) -> list[dict[str, A
     if form == "unpacked":
         if "unpacked" not in accepted:
             return [_as_packed(raw)]
-        canonical = _canonical_lengths(raw)
+        canonical = _unpacked_for_scheduler(raw)
         return None if canonical is None else [canonical]
     if "unpacked" in accepted:
         return _as_unpacked(raw)
-    return [_as_packed(raw)] if "cu_seqlens_padded" in raw else None
+    if "cu_seqlens_padded" in raw:
+        return [_as_packed(raw)]
+    canonical = _packed_for_scheduler(raw)
+    return None if canonical is None else [canonical]
 
 
 def convert_items(items: list[Any], accepted: tuple[str, ...]) -> list[Any]:
@@ -555,7 +572,8 @@ def convert_items(items: list[Any], accepted: tuple[str, ...]) -> list[Any]:
     Where the pin takes unpacked samples, every pre-packed sample becomes its unpacked sequences
     (lossless; the scheduler would split it the same way, but with lengths of another dtype than
     unpacked samples' on other ranks, which its sample exchange cannot mix), and unpacked samples keep
-    their fields with int32 ``[1]`` lengths (:func:`_canonical_lengths`). Megatron-Core reads
+    their fields with int32 ``[1]`` lengths (:func:`_unpacked_for_scheduler`). Extra keys are dropped
+    (the scheduler reads none of them, yet takes every key for a tensor field). Megatron-Core reads
     ``cu_seqlens`` as the buffer boundaries, so on a pin that takes only pre-packed samples one with
     ``cu_seqlens_padded`` becomes a pre-packed sample whose ``cu_seqlens`` is the padded one, and an
     unpacked sample becomes one pre-packed sample. In both lossy cases the real lengths are lost:

@@ -153,6 +153,9 @@ def mutate(name: str, item: Any, capacity: int, align: int) -> Any:
             **{k: v for k, v in s.items() if not k.endswith("seq_len")},
             "cu_seqlens": torch.tensor([0, n], dtype=torch.int64),
         },
+        "extra_tensor_key": lambda: {**s, "attention_mask": torch.ones(n, dtype=torch.bool)},
+        "extra_scalar_key": lambda: {**s, "sample_id": 7},
+        "extra_string_key": lambda: {**s, "source": "wiki"},
         "huge_padded": lambda: _lengths(s, padded=torch.tensor([1 << 40], dtype=torch.int64)),
         "numpy_tokens": lambda: {**s, "tokens": s["tokens"].numpy()},
     }

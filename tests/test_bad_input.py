@@ -256,6 +256,9 @@ CASES: list[tuple[BadInput, str, tuple[str, ...]]] = [
     (BadInput("[1, 1] lengths on one rank", "lengths_2d", index=-1), "ok", ()),
     (BadInput("[1, L] fields on one rank", "unsqueezed", index=-1), "ok", ()),
     (BadInput("strided tokens and labels on one rank", "strided_tokens", index=-1), "ok", ()),
+    (BadInput("extra int key on one rank", "extra_scalar_key", index=-1), "ok", ()),
+    (BadInput("extra string key on one sample", "extra_string_key"), "ok", ()),
+    (BadInput("extra tensor key on one rank", "extra_tensor_key", index=-1), "ok", ()),
     (BadInput("no padding on one rank", "all_real", index=-1), "ok", ()),
     (BadInput("no padding on every rank", "all_real", index=-1, dp_rank=None), "ok", ()),
     (BadInput("pre-packed without padded bounds on one rank", "prepacked_whole32", index=-1), "ok", ()),
@@ -324,6 +327,9 @@ SAME_MICROBATCHES = [
     ("[1, 1] lengths on one rank", GOOD),
     ("[1, L] fields on one rank", GOOD),
     ("strided tokens and labels on one rank", GOOD),
+    ("extra int key on one rank", GOOD),
+    ("extra string key on one sample", GOOD),
+    ("extra tensor key on one rank", GOOD),
     ("pre-packed without padded bounds on one rank", "no padding on one rank"),
     ("int64 cu_seqlens on one rank", "no padding on one rank"),
     ("pre-packed without padded bounds on every rank", "no padding on every rank"),
@@ -332,8 +338,8 @@ SAME_MICROBATCHES = [
 
 @pytest.mark.parametrize(("name", "reference"), SAME_MICROBATCHES)
 def test_every_accepted_sample_layout_packs_the_same(outcomes: dict, name: str, reference: str):
-    """Samples in either form, with lengths of any integer dtype or ``[1, 1]``, ``[1, L]`` or strided fields on one
-    DP rank give every rank the very microbatches the same sequences give as plain unpacked samples."""
+    """Samples in either form, with lengths of any integer dtype or ``[1, 1]``, ``[1, L]`` or strided fields, or extra
+    keys, on one DP rank give every rank the very microbatches the same sequences give as plain unpacked samples."""
     expected = {o.rank: o.fetched for o in outcomes["runs"][reference]}
     other = {o.rank: o.fetched for o in outcomes["runs"][name]}
     assert all(expected.values())

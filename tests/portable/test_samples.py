@@ -282,3 +282,20 @@ def test_lengths_reach_megatron_core_as_int32_of_shape_1(length, rewritten, in_a
     for key in ("padded_seq_len", "original_seq_len"):
         assert item[key].dtype == torch.int32 and item[key].shape == (1,) and int(item[key]) == 6
     assert all(item[key] is raw[key] for key in ("tokens", "labels", "loss_mask", "position_ids"))
+
+
+@pytest.mark.parametrize("form", ["unpacked", "packed"])
+@pytest.mark.parametrize("accepted", [("unpacked", "packed"), ("packed",)], ids=["both", "packed-only"])
+def test_extra_keys_never_reach_megatron_core(form, accepted):
+    """The scheduler takes every key of a sample for a tensor field: only the contract's keys are handed over."""
+    base = sample(6) if form == "unpacked" else prepacked([0, 2, 6])
+    raw = {**base, "sample_id": 7, "source": "wiki", "attention_mask": torch.ones(6, dtype=torch.bool)}
+    (item,) = convert_items([raw], accepted)
+    members = item if isinstance(item, list) else [item]
+    for member in members:
+        assert not {"sample_id", "source", "attention_mask"} & member.keys()
+        assert {"tokens", "labels", "loss_mask", "position_ids"} <= member.keys()
+    (plain,) = convert_items([base], accepted)
+    assert (plain is base) == (
+        form == "unpacked" and "unpacked" in accepted or form == "packed" and accepted == ("packed",)
+    )
