@@ -535,10 +535,15 @@ def _unpacked_for_scheduler(raw: dict[str, Any]) -> dict[str, Any] | None:
     loading rank alone, and int64 lengths among int32 ones leave the other ranks waiting (both seen on
     dev); ``[1, 1]`` lengths are reshaped too, so every rank hands over the same layout.
     """
+    padded, original = raw["padded_seq_len"], raw.get("original_seq_len")
+    if (
+        len(raw) == len(TOKEN_KEYS) + 1 + (original is not None)
+        and padded.dtype is torch.int32
+        and padded.dim() == 1
+        and (original is None or (original.dtype is torch.int32 and original.dim() == 1))
+    ):
+        return None  # the common case, checked first
     fixed = {key: _length_tensor(raw[key]) for key in LENGTH_KEYS if key in raw}
-    extra = len(raw) > len(TOKEN_KEYS) + len(fixed)
-    if not extra and all(value is None for value in fixed.values()):
-        return None
     kept = {key: value for key, value in raw.items() if key in _UNPACKED_KEYS}
     return {**kept, **{key: value for key, value in fixed.items() if value is not None}}
 

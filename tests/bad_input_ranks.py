@@ -156,6 +156,9 @@ def mutate(name: str, item: Any, capacity: int, align: int) -> Any:
         "extra_tensor_key": lambda: {**s, "attention_mask": torch.ones(n, dtype=torch.bool)},
         "extra_scalar_key": lambda: {**s, "sample_id": 7},
         "extra_string_key": lambda: {**s, "source": "wiki"},
+        "as_list": lambda: [s],
+        "doubled": lambda: [s, s],
+        "same_object_twice": lambda: [s, dict(s)],
         "huge_padded": lambda: _lengths(s, padded=torch.tensor([1 << 40], dtype=torch.int64)),
         "numpy_tokens": lambda: {**s, "tokens": s["tokens"].numpy()},
     }
