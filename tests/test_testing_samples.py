@@ -5,7 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcore_compat.testing.samples import PAD_TOKEN_ID, Sample, SampleSpec, alignment_multiple, decode, encode
+from mcore_compat.contract import Limits, convert_items, read_step
+from mcore_compat.testing.samples import (
+    ITEM_LAYOUTS,
+    PAD_TOKEN_ID,
+    Sample,
+    SampleSpec,
+    alignment_multiple,
+    decode,
+    encode,
+)
 
 
 @pytest.mark.parametrize(
@@ -74,3 +83,30 @@ def test_source_yields_items_and_counts_pulls(per_next: int, kind: type):
 def test_capacity_below_multiple_is_rejected():
     with pytest.raises(ValueError, match="capacity=4 .* max_seqlen_per_dp_cp_rank"):
         SampleSpec(seed=0, dp=1, num_microbatches=1, samples_per_next=1, multiple=8, capacity=4)
+
+
+@pytest.mark.parametrize("per_next", [1, 3])
+@pytest.mark.parametrize("layout", ITEM_LAYOUTS)
+def test_every_item_layout_passes_the_contract_and_carries_the_same_sequences(layout: str, per_next: int):
+    """Each layout holds the very sequences of the plain one: the contract accepts it and reads the same lengths
+    and tokens, before and after conversion for a pin's scheduler."""
+    spec = SampleSpec(seed=5, dp=2, num_microbatches=4, samples_per_next=per_next, multiple=4, capacity=64)
+    laid_out = SampleSpec(**{**spec.__dict__, "layouts": ("plain", layout)})
+    plain = read_step(spec.source(0, 1), 4, 1, Limits(4, 64))
+    other = read_step(laid_out.source(0, 1), 4, 1, Limits(4, 64))
+    assert other.verdict == plain.verdict and plain.samples
+    assert [(s.original, s.padded) for s in other.samples] == [(s.original, s.padded) for s in plain.samples]
+    assert all(
+        torch.equal(a.fields["tokens"], b.fields["tokens"]) for a, b in zip(other.samples, plain.samples, strict=True)
+    )
+    converted = convert_items(other.items, ("unpacked", "packed"))  # what a dev pin's scheduler gets
+    again = read_step(iter(converted), len(converted), 1, Limits(4, 64))
+    assert again.verdict == plain.verdict
+    assert [(s.original, s.padded) for s in again.samples] == [(s.original, s.padded) for s in plain.samples]
+    for a, b in zip(again.samples, plain.samples, strict=True):
+        assert all(torch.equal(a.fields[key], b.fields[key]) for key in b.fields)
+
+
+def test_an_unknown_item_layout_is_refused():
+    with pytest.raises(ValueError, match="layouts=\\('ragged',\\)"):
+        SampleSpec(seed=0, dp=1, num_microbatches=1, samples_per_next=1, multiple=1, capacity=4, layouts=("ragged",))

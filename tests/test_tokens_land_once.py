@@ -1,7 +1,8 @@
 """Property: for random global batches every real token lands exactly once, on the right ranks.
 
 Hypothesis draws whole batches of cases (layout, scheduler, static or dynamic CP, minimum dynamic CP
-size, samples per pull, microbatches, bin capacity, share of long samples, seed). Each drawn batch runs
+size, samples per pull, microbatches, bin capacity, share of long samples, seed, and how each DP rank's
+items carry its samples: plain, loosely built or pre-packed). Each drawn batch runs
 in one gloo process group of 4 ranks through the ``packing`` facade on the session's Megatron-Core:
 MCore's own scheduler with ``$MCORE_SRC`` on the dev pin, the portable backend on a release. Every
 step must pass the checks of :mod:`mcore_compat.testing` (each sample exactly once, on the DP ranks of
@@ -17,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from mcore_compat.testing import Case, Layout, locate_mcore, run_cases
+from mcore_compat.testing import ITEM_LAYOUTS, Case, Layout, locate_mcore, run_cases
 from mcore_compat.testing.records import DYNAMIC_CP_LAYOUTS, WORLD_4_LAYOUTS
 
 SYS_PATH, NO_MCORE = locate_mcore()
@@ -49,6 +50,7 @@ def cases(draw: st.DrawFn) -> Case:
         max_seqlen_per_dp_cp_rank=draw(st.integers(2, 48)),  # the alignment multiple per rank is 2
         seed=draw(st.integers(0, 2**16)),
         long_fraction=draw(st.sampled_from([0.0, 0.1, 0.5, 0.9, 1.0])),
+        item_layouts=tuple(draw(st.lists(st.sampled_from(ITEM_LAYOUTS), min_size=1, max_size=2))),
     )
 
 

@@ -40,7 +40,15 @@ from mcore_compat.testing.runner import (
     run_case_on_rank,
     run_cases,
 )
-from mcore_compat.testing.samples import Sample, SampleSource, SampleSpec, alignment_multiple, decode, encode
+from mcore_compat.testing.samples import (
+    ITEM_LAYOUTS,
+    Sample,
+    SampleSource,
+    SampleSpec,
+    alignment_multiple,
+    decode,
+    encode,
+)
 
 __all__ = [
     "DYNAMIC_CP_LAYOUTS",
@@ -48,6 +56,7 @@ __all__ = [
     "Case",
     "CaseResult",
     "CaseRun",
+    "ITEM_LAYOUTS",
     "LaunchError",
     "Layout",
     "MicrobatchRecord",

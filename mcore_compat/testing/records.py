@@ -47,6 +47,8 @@ class Case:
     seed: int = 0
     long_fraction: float = 0.25
     fault: Fault | None = None
+    item_layouts: tuple[str, ...] = ("plain",)
+    """Per DP rank (cycled), how its items carry the samples (:data:`~mcore_compat.testing.samples.ITEM_LAYOUTS`)."""
 
     @property
     def name(self) -> str:
@@ -57,6 +59,8 @@ class Case:
             parts.append(f"x{self.samples_per_next}")
         if self.fault:
             parts.append(self.fault)
+        if self.item_layouts != ("plain",):
+            parts.append("+".join(self.item_layouts))
         return "-".join(parts)
 
     @property
@@ -72,6 +76,7 @@ class Case:
             multiple=alignment_multiple(tp=tp, cp=cp, dp=dp, dynamic_cp=self.dynamic_cp),
             capacity=self.max_seqlen_per_dp_cp_rank * pool,
             long_fraction=self.long_fraction,
+            layouts=self.item_layouts,
         )
 
 
@@ -141,11 +146,15 @@ DYNAMIC_CP_LAYOUTS = (Layout(1, 2, 2), Layout(1, 4, 1), Layout(1, 1, 4), Layout(
 
 
 def standard_cases(*, steps: int = 3) -> list[Case]:
-    """The end-to-end suite at world size 4: ``dp_balanced`` on every layout, dynamic CP where pools allow."""
+    """The end-to-end suite at world size 4: ``dp_balanced`` on every layout, dynamic CP where pools allow, and
+    both with pre-packed items on some DP ranks and loosely built ones on others."""
     cases = [Case(layout, steps=steps) for layout in WORLD_4_LAYOUTS]
     cases.append(Case(Layout(1, 2, 2), steps=steps, samples_per_next=4, num_microbatches=2))
+    mixed = ("prepacked", "loose")
+    cases.append(Case(Layout(2, 1, 2), steps=steps, samples_per_next=2, num_microbatches=4, item_layouts=mixed))
     cases += [Case(layout, "default_dynamic_cp", dynamic_cp=True, steps=steps) for layout in DYNAMIC_CP_LAYOUTS]
     cases.append(Case(Layout(1, 2, 2), "default_dynamic_cp", dynamic_cp=True, min_dynamic_cp_size=2, steps=steps))
+    cases.append(Case(Layout(1, 1, 4), "default_dynamic_cp", dynamic_cp=True, steps=steps, item_layouts=mixed))
     return cases
 
 

@@ -14,9 +14,10 @@ from typing import Any
 
 import torch
 
-from mcore_compat.contract import alignment_multiple
+from mcore_compat.contract import LENGTH_KEYS, TOKEN_KEYS, alignment_multiple
 
 __all__ = [
+    "ITEM_LAYOUTS",
     "PAD_TOKEN_ID",
     "TOKEN_BASE",
     "Sample",
@@ -72,13 +73,36 @@ class Sample:
         }
 
 
+ITEM_LAYOUTS: tuple[str, ...] = ("plain", "loose", "prepacked")
+"""How a DP rank's items carry its samples, all within the data contract: ``plain`` as :meth:`Sample.as_dict`
+builds them; ``loose`` as a default collate and a looser dataset would (``[1, L]`` fields, int64 ``[1, 1]``
+lengths, extra keys); ``prepacked`` one pre-packed dict per pull (``cu_seqlens`` and ``cu_seqlens_padded``)."""
+
+
+def _loose(sample: dict[str, torch.Tensor]) -> dict[str, Any]:
+    out: dict[str, Any] = {key: sample[key].unsqueeze(0) for key in TOKEN_KEYS}
+    out.update({key: sample[key].to(torch.int64).reshape(1, 1) for key in LENGTH_KEYS})
+    out["attention_mask"] = torch.ones(1, sample["tokens"].numel(), dtype=torch.bool)
+    out["sample_index"] = 0
+    return out
+
+
+def _prepacked(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    out = {key: torch.cat([s[key] for s in samples]) for key in TOKEN_KEYS}
+    for bounds, key in (("cu_seqlens", "original_seq_len"), ("cu_seqlens_padded", "padded_seq_len")):
+        lengths = torch.cat([s[key] for s in samples])
+        out[bounds] = torch.cat((torch.zeros(1, dtype=torch.int32), lengths.cumsum(0).to(torch.int32)))
+    return out
+
+
 @dataclass(frozen=True)
 class SampleSpec:
     """How one step's global batch is generated.
 
     ``num_microbatches`` items are pulled per DP rank, each a dict (``samples_per_next == 1``) or a
     list of dicts. Real lengths are drawn in ``[1, capacity]`` with a bias to short samples, and
-    padded up to ``multiple``; ``capacity`` is the longest padded length the bins hold.
+    padded up to ``multiple``; ``capacity`` is the longest padded length the bins hold. DP rank ``r``
+    gives its items in layout ``layouts[r % len(layouts)]`` (:data:`ITEM_LAYOUTS`).
     """
 
     seed: int
@@ -88,8 +112,12 @@ class SampleSpec:
     multiple: int
     capacity: int
     long_fraction: float = 0.25
+    layouts: tuple[str, ...] = ("plain",)
 
     def __post_init__(self) -> None:
+        unknown = [layout for layout in self.layouts if layout not in ITEM_LAYOUTS]
+        if not self.layouts or unknown:
+            raise ValueError(f"layouts={self.layouts!r}: use one or more of {ITEM_LAYOUTS}")
         if self.capacity < self.multiple:
             raise ValueError(
                 f"capacity={self.capacity} is below the alignment multiple {self.multiple}: raise "
@@ -119,23 +147,30 @@ class SampleSpec:
 
     def source(self, step: int, dp_rank: int) -> SampleSource:
         """A fresh iterator over this rank's items for ``step``."""
-        return SampleSource(self.samples(step, dp_rank), self.samples_per_next)
+        layout = self.layouts[dp_rank % len(self.layouts)]
+        return SampleSource(self.samples(step, dp_rank), self.samples_per_next, layout)
 
 
 class SampleSource(Iterator[Any]):
-    """Yields one dict (or a list of ``per_next`` dicts) per ``next()`` and counts the pulls."""
+    """Yields one item per ``next()`` in one of :data:`ITEM_LAYOUTS` and counts the pulls: a dict, a list of
+    ``per_next`` dicts, or (``prepacked``) one dict holding ``per_next`` sequences."""
 
-    def __init__(self, samples: list[Sample], per_next: int) -> None:
+    def __init__(self, samples: list[Sample], per_next: int, layout: str = "plain") -> None:
         self._items = [samples[i : i + per_next] for i in range(0, len(samples), per_next)]
         self._per_next = per_next
+        self._layout = layout
         self.pulls = 0
 
     def __next__(self) -> Any:
         if self.pulls >= len(self._items):
             raise StopIteration
-        group = self._items[self.pulls]
+        group = [s.as_dict() for s in self._items[self.pulls]]
         self.pulls += 1
-        return group[0].as_dict() if self._per_next == 1 else [s.as_dict() for s in group]
+        if self._layout == "prepacked":
+            return _prepacked(group)
+        if self._layout == "loose":
+            group = [_loose(s) for s in group]
+        return group[0] if self._per_next == 1 else group
 
 
 __all__ = [
