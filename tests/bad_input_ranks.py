@@ -21,6 +21,7 @@ import torch.distributed as dist
 from mcore_compat.errors import BadSampleError, PackingConfigError
 from mcore_compat.testing import Case, Layout, cpu_patches, model_config
 from mcore_compat.testing.runner import mpu_pg_collection
+from mcore_compat.testing.samples import prepack
 
 
 @dataclass(frozen=True)
@@ -79,16 +80,6 @@ def _prepacked_decreasing(sample: dict) -> dict:
     return out
 
 
-def _prepacked(sample: dict) -> dict:
-    """The same sequence as a pre-packed sample (``cu_seqlens`` real, ``cu_seqlens_padded`` padded)."""
-    out = {k: v for k, v in sample.items() if not k.endswith("seq_len")}
-    padded = int(sample["padded_seq_len"])
-    original = int(sample.get("original_seq_len", sample["padded_seq_len"]))
-    out["cu_seqlens"] = torch.tensor([0, original], dtype=torch.int32)
-    out["cu_seqlens_padded"] = torch.tensor([0, padded], dtype=torch.int32)
-    return out
-
-
 class _UndecodableSample(dict):
     """A lazily decoded sample whose decoding fails when a field is read (``get``, as the checks read it)."""
 
@@ -131,7 +122,7 @@ def mutate(name: str, item: Any, capacity: int, align: int) -> Any:
         "shifted_positions": lambda: {**s, "position_ids": s["position_ids"] + 1},
         "both_forms": lambda: {**s, "cu_seqlens": torch.tensor([0, n], dtype=torch.int32)},
         "cu_decreasing": lambda: _prepacked_decreasing(s),
-        "prepacked": lambda: _prepacked(s),
+        "prepacked": lambda: prepack([s]),
         "oversize": lambda: _oversize(s, capacity + align),
         "misaligned": lambda: _oversize(s, capacity - 1),
         "loss_mask_requires_grad": lambda: _per_token(s, lambda v: v.clone().requires_grad_(), ("loss_mask",)),
@@ -156,9 +147,6 @@ def mutate(name: str, item: Any, capacity: int, align: int) -> Any:
         "extra_tensor_key": lambda: {**s, "attention_mask": torch.ones(n, dtype=torch.bool)},
         "extra_scalar_key": lambda: {**s, "sample_id": 7},
         "extra_string_key": lambda: {**s, "source": "wiki"},
-        "as_list": lambda: [s],
-        "doubled": lambda: [s, s],
-        "same_object_twice": lambda: [s, dict(s)],
         "huge_padded": lambda: _lengths(s, padded=torch.tensor([1 << 40], dtype=torch.int64)),
         "numpy_tokens": lambda: {**s, "tokens": s["tokens"].numpy()},
     }

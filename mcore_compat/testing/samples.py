@@ -26,6 +26,7 @@ __all__ = [
     "alignment_multiple",
     "decode",
     "encode",
+    "prepack",
 ]
 
 TOKEN_BASE = 1_000_000
@@ -87,7 +88,8 @@ def _loose(sample: dict[str, torch.Tensor]) -> dict[str, Any]:
     return out
 
 
-def _prepacked(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+def prepack(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Unpacked samples as one pre-packed sample (``cu_seqlens`` real, ``cu_seqlens_padded`` padded)."""
     out = {key: torch.cat([s[key] for s in samples]) for key in TOKEN_KEYS}
     for bounds, key in (("cu_seqlens", "original_seq_len"), ("cu_seqlens_padded", "padded_seq_len")):
         lengths = torch.cat([s[key] for s in samples])
@@ -167,19 +169,7 @@ class SampleSource(Iterator[Any]):
         group = [s.as_dict() for s in self._items[self.pulls]]
         self.pulls += 1
         if self._layout == "prepacked":
-            return _prepacked(group)
+            return prepack(group)
         if self._layout == "loose":
             group = [_loose(s) for s in group]
         return group[0] if self._per_next == 1 else group
-
-
-__all__ = [
-    "PAD_TOKEN_ID",
-    "Sample",
-    "SampleSource",
-    "SampleSpec",
-    "TOKEN_BASE",
-    "alignment_multiple",
-    "decode",
-    "encode",
-]
