@@ -25,13 +25,14 @@ so every rank raises the same error. Only torch is imported.
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import math
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -133,6 +134,9 @@ class LocalBatch:
     verdict: list[int]
     cause: BaseException | None = None
     items: list[Any] = field(default_factory=list)
+    plain: bool = False
+    """Every sample is unpacked as Megatron-Core's own builder makes it (only the contract's keys, int32 ``[1]``
+    lengths): a pin that takes unpacked samples reads the items as they are (:func:`convert_items` keeps them)."""
 
 
 def stage_source(data_iterator: Any, stages: int | None, rank: int) -> tuple[Any, int | None, list[int]]:
@@ -276,37 +280,50 @@ def _token_fields(
 
 
 _counting: dict[torch.device, torch.Tensor] = {}
-_counting_bytes = b""
-"""The CPU counting tensor's bytes (native int64), for comparing CPU ``position_ids`` without torch dispatch."""
+
+
+def _libc_memcmp() -> Callable[[int, int, int], int] | None:
+    """The C library's ``memcmp`` (where ctypes can load it), for comparing CPU ``position_ids`` in place."""
+    try:
+        function = ctypes.CDLL(None).memcmp
+    except (OSError, AttributeError, TypeError):
+        return None
+    function.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+    function.restype = ctypes.c_int
+    return cast(Callable[[int, int, int], int], function)
+
+
+_memcmp = _libc_memcmp()
+_INT64_BYTES = torch.int64.itemsize
 
 
 def _positions(length: int, device: torch.device) -> torch.Tensor:
     """``0 .. length - 1`` (int64) on ``device``: a view of one counting tensor kept per device, grown on demand."""
-    global _counting_bytes
     counting = _counting.get(device)
     if counting is None or counting.numel() < length:
         size = max(length, 2 * counting.numel() if counting is not None else 4096)
         counting = _counting[device] = torch.arange(size, dtype=torch.int64, device=device)
-        if counting.is_cpu:
-            _counting_bytes = counting.numpy().tobytes()
     return counting[:length]
+
+
+_CPU = torch.device("cpu")
+_cpu_counting = _positions(1 << 16, _CPU)
+"""The CPU counting tensor ``memcmp`` reads (replaced by a longer one when a sequence outgrows it)."""
 
 
 def _wrong_position(ids: torch.Tensor, start: int, original: int) -> int | None:
     """The first offset at which ``ids[start : start + original]`` (int64) is not ``0 .. original - 1``, or None.
 
-    A contiguous CPU window is compared in place, as bytes, with the counting tensor's (a few times faster
-    than torch for short sequences, and no copy for long ones); other devices, strided windows and tensors
-    numpy cannot view, with ``torch.equal``.
+    A contiguous window of a plain CPU tensor is compared in place with the counting tensor's bytes
+    (``memcmp``: several times faster than torch for short sequences, and no copy for long ones);
+    other devices, strided windows and tensor subclasses, and the offset of a mismatch, with torch.
     """
-    if ids.is_cpu:
-        if len(_counting_bytes) < original * torch.int64.itemsize:
-            _positions(original, ids.device)
-        try:
-            if _counting_bytes.startswith(ids.numpy()[start : start + original].data):
-                return None
-        except (RuntimeError, TypeError, BufferError):
-            pass  # numpy cannot view this tensor, or the window is not contiguous: torch compares it below
+    global _cpu_counting
+    if _memcmp is not None and type(ids) is torch.Tensor and ids.is_cpu and ids.stride(0) == 1:
+        if _cpu_counting.numel() < original:
+            _cpu_counting = _positions(original, _CPU)
+        if not _memcmp(ids.data_ptr() + start * _INT64_BYTES, _cpu_counting.data_ptr(), original * _INT64_BYTES):
+            return None
     positions = ids[start : start + original]
     expected = _positions(original, ids.device)
     if torch.equal(positions, expected):
@@ -352,6 +369,49 @@ def _unpacked(raw: Mapping[str, Any], rank: int, index: int, limits: Limits) -> 
         return [], verdict
     sample, verdict = _sequence(fields, 0, original, padded, rank, index, limits)
     return ([sample] if sample is not None else []), verdict
+
+
+_INT32 = torch.int32
+_ONE = torch.Size((1,))
+
+
+def _plain_unpacked(raw: dict[str, Any], limits: Limits) -> Sample | None:
+    """The sequence of an unpacked sample exactly as the sample builder makes it, or None to check it field by field.
+
+    The common case in one pass: int32 ``[1]`` lengths, and per-token fields that are plain dense ``[L]``
+    tensors of their dtypes with ``position_ids`` counting from 0. Anything else (including every problem)
+    returns None, and :func:`_unpacked` names what is wrong; so this accepts a subset of what it accepts.
+    """
+    padded_len, original_len = raw["padded_seq_len"], raw.get("original_seq_len", raw["padded_seq_len"])
+    if not (
+        type(padded_len) is torch.Tensor
+        and type(original_len) is torch.Tensor
+        and padded_len.dtype is _INT32
+        and original_len.dtype is _INT32
+        and padded_len.shape == _ONE
+        and original_len.shape == _ONE
+    ):
+        return None
+    padded, original = int(padded_len.item()), int(original_len.item())
+    if not 1 <= original <= padded or padded % limits.align or (limits.capacity or padded) < padded:
+        return None
+    fields: dict[str, torch.Tensor] = {}
+    for key, dtype, _ in _TOKEN_CHECKS:
+        value = raw.get(key)
+        if not (
+            type(value) is torch.Tensor
+            and value.dtype is dtype
+            and value.dim() == 1
+            and value.numel() == padded
+            and value.layout is _STRIDED
+            and not value.is_meta
+            and not value.requires_grad
+        ):
+            return None
+        fields[key] = value
+    if _wrong_position(fields["position_ids"], 0, original) is not None:
+        return None
+    return Sample(fields, original, padded)
 
 
 def _bounds(raw: Mapping[str, Any], key: str, rank: int, index: int) -> tuple[list[int] | None, list[int]]:
@@ -411,9 +471,10 @@ def _check_failure(raw: Mapping[str, Any], rank: int, index: int, exc: Exception
     return record(Problem.CHECK_FAILED, rank, index, a=exception_index(exc))
 
 
-def check_items(items: list[Any], rank: int, limits: Limits) -> tuple[list[Sample], list[int], Exception | None]:
+def check_items(items: list[Any], rank: int, limits: Limits) -> tuple[list[Sample], list[int], Exception | None, bool]:
     """Check pulled items against the contract; returns their sequences, or the first problem (and what a check
-    raised, for a sample no check foresaw: it is reported, never raised, so that every rank fails together)."""
+    raised, for a sample no check foresaw: it is reported, never raised, so that every rank fails together), and
+    whether every sample is plain (:attr:`LocalBatch.plain`)."""
     raw_samples: list[Any] = []
     for index, item in enumerate(items):
         if isinstance(item, dict):
@@ -421,24 +482,32 @@ def check_items(items: list[Any], rank: int, limits: Limits) -> tuple[list[Sampl
         elif isinstance(item, list) and item and all(isinstance(m, dict) for m in item):
             raw_samples.extend(item)
         else:
-            return [], record(Problem.BAD_ITEM, rank, a=index), None
+            return [], record(Problem.BAD_ITEM, rank, a=index), None, False
     samples: list[Sample] = []
     first_form = None
+    plain = True
     for index, raw in enumerate(raw_samples):
         try:
             form = sample_form(raw)
             if form is None and "cu_seqlens" not in raw:
-                return [], record(Problem.MISSING_KEY, rank, index, a=SAMPLE_KEYS.index("padded_seq_len")), None
+                key = SAMPLE_KEYS.index("padded_seq_len")
+                return [], record(Problem.MISSING_KEY, rank, index, a=key), None, False
             first_form = first_form or form
             if form is None or form != first_form:
-                return [], record(Problem.MIXED_FORMS, rank, index), None
+                return [], record(Problem.MIXED_FORMS, rank, index), None, False
+            sample = _plain_unpacked(raw, limits) if form == "unpacked" else None
+            if sample is not None:
+                samples.append(sample)
+                plain = plain and len(raw) == len(REQUIRED_SAMPLE_KEYS) - ("original_seq_len" not in raw)
+                continue
+            plain = False
             found, verdict = (_unpacked if form == "unpacked" else _prepacked)(raw, rank, index, limits)
         except Exception as exc:  # noqa: BLE001 - reported on every rank, re-raised here as the cause
-            return [], _check_failure(raw, rank, index, exc), exc
+            return [], _check_failure(raw, rank, index, exc), exc, False
         if verdict != OK:
-            return [], verdict, None
+            return [], verdict, None, False
         samples.extend(found)
-    return samples, OK, None
+    return samples, OK, None, plain
 
 
 @contextmanager
@@ -460,8 +529,8 @@ def read_step(data_iterator: Iterator[Any] | None, num_microbatches: int, rank: 
     items, verdict, cause = pull(data_iterator, num_microbatches, rank)
     if verdict != OK:
         return LocalBatch([], verdict, cause, items)
-    samples, verdict, cause = check_items(items, rank, limits)
-    return LocalBatch(samples, verdict, cause, items)
+    samples, verdict, cause, plain = check_items(items, rank, limits)
+    return LocalBatch(samples, verdict, cause, items, plain)
 
 
 # -- converting between the two forms -----------------------------------------------------------

@@ -174,6 +174,10 @@ class _Raising(Iterator[Any]):
         return next(self._source)
 
 
+ITERATOR_MUTATIONS = ("exhausted", "raising", "none_iterator", "list")
+"""Mutations of the data iterator itself; every other one is a :func:`mutate` of one item."""
+
+
 def _source(case: Case, bad: BadInput, pg: Any) -> Iterator[Any] | None:
     if pg.tp.rank() != 0:
         return None

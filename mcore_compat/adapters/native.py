@@ -165,7 +165,8 @@ class NativeSchedulerAdapter(PackingAdapter):
         if batch is None:
             iterator = no_data(model_config)
         else:
-            items = convert_items(batch.items, self._sample_forms())
+            forms = self._sample_forms()
+            items = batch.items if batch.plain and "unpacked" in forms else convert_items(batch.items, forms)
             replay = itertools.chain(items, source or ())
             iterator = replay if position is None else _replace(data_iterator, position, replay)
         return iterator

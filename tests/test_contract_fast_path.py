@@ -1,0 +1,79 @@
+"""The one-pass check of plain unpacked samples accepts a subset of what the field-by-field checks accept.
+
+Every sample of the bad-input table's mutations, and every item layout the test harness builds, gets the
+same verdict, the same sequences and the same cause with the one-pass check as without it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mcore_compat import contract
+from mcore_compat.contract import Limits, check_items
+from mcore_compat.testing.samples import ITEM_LAYOUTS, SampleSpec
+from tests.bad_input_ranks import ITERATOR_MUTATIONS, mutate
+from tests.test_bad_input import CASES
+
+ALIGN, CAPACITY = 4, 32
+MUTATIONS = sorted({case.mutation for case, _, _ in CASES if case.mutation} - set(ITERATOR_MUTATIONS))
+
+
+def _items(mutation: str | None, layout: str = "plain", index: int = 1) -> list:
+    spec = SampleSpec(
+        seed=7, dp=1, num_microbatches=4, samples_per_next=1, multiple=ALIGN, capacity=CAPACITY, layouts=(layout,)
+    )
+    items = list(spec.source(0, 0))
+    if mutation is not None:
+        items[index] = mutate(mutation, items[index], CAPACITY, ALIGN)
+    return items
+
+
+def _outcome(items: list) -> tuple:
+    samples, verdict, cause, _ = check_items(items, 0, Limits(ALIGN, CAPACITY))
+    sequences = [(s.original, s.padded, {k: v.tolist() for k, v in s.fields.items()}) for s in samples]
+    return verdict, sequences, type(cause)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch warns that nested tensors are a prototype
+@pytest.mark.parametrize("mutation", [None, *MUTATIONS])
+def test_the_one_pass_check_agrees_with_the_field_by_field_checks(mutation, monkeypatch):
+    one_pass = _outcome(_items(mutation))
+    monkeypatch.setattr(contract, "_plain_unpacked", lambda raw, limits: None)
+    assert _outcome(_items(mutation)) == one_pass
+
+
+@pytest.mark.parametrize("layout", ITEM_LAYOUTS)
+def test_every_item_layout_gets_the_same_sequences(layout, monkeypatch):
+    one_pass = _outcome(_items(None, layout))
+    assert one_pass[0] == contract.OK and one_pass[1]
+    monkeypatch.setattr(contract, "_plain_unpacked", lambda raw, limits: None)
+    assert _outcome(_items(None, layout)) == one_pass
+
+
+@pytest.mark.parametrize(
+    ("mutation", "plain"),
+    [(None, True), ("extra_tensor_key", False), ("lengths_int64", False), ("unsqueezed", False), ("prepacked", False)],
+)
+def test_a_step_is_plain_only_when_megatron_core_reads_every_sample_as_it_is(mutation, plain):
+    """Plain: no sample needs rewriting for a pin that takes unpacked samples (the native adapter skips it)."""
+    items = _items(mutation)
+    *_, is_plain = check_items(items, 0, Limits(ALIGN, CAPACITY))
+    assert is_plain is plain
+    converted = contract.convert_items(items, ("packed", "unpacked"))
+    assert (all(a is b for a, b in zip(converted, items, strict=True)) and len(converted) == len(items)) or not plain
+
+
+def test_sequences_longer_than_the_counting_tensor_are_compared_in_place():
+    length = contract._cpu_counting.numel() + 8
+    sample = {
+        "tokens": torch.zeros(length, dtype=torch.int64),
+        "labels": torch.zeros(length, dtype=torch.int64),
+        "loss_mask": torch.ones(length),
+        "position_ids": torch.arange(length),
+        "padded_seq_len": torch.tensor([length], dtype=torch.int32),
+    }
+    assert contract._plain_unpacked(sample, Limits()) is not None
+    sample["position_ids"] = torch.cat([torch.arange(length - 1), torch.tensor([0])])
+    assert contract._plain_unpacked(sample, Limits()) is None
+    assert contract._wrong_position(sample["position_ids"], 0, length) == length - 1
