@@ -28,6 +28,7 @@ __all__ = [
     "check_settings",
     "check_switches",
     "check_thd_settings",
+    "check_virtual_stages",
     "max_seqlen_per_dp_cp_rank",
     "require_fields",
     "require_groups",
@@ -155,8 +156,31 @@ def check_thd_settings(model_config: Any, owner: str = "model_config") -> None:
         )
 
 
+def check_virtual_stages(model_config: Any) -> None:
+    """``virtual_pipeline_model_parallel_size`` is None or a positive int and, when it is set,
+    ``microbatch_group_size_per_vp_stage`` (which Megatron-Core's scheduler then reads) is None or a positive int.
+
+    Megatron-Core takes 0 or a bool for one stage and fails on a float or a string inside the step.
+    """
+    stages = getattr(model_config, "virtual_pipeline_model_parallel_size", None)
+    if stages is None:
+        return
+    if not _is_positive_int(stages):
+        raise PackingConfigError(
+            f"model_config.virtual_pipeline_model_parallel_size={stages!r}: set it to None (no virtual pipeline "
+            "stages) or a positive int, the number of virtual stages per pipeline rank"
+        )
+    group = getattr(model_config, "microbatch_group_size_per_vp_stage", None)
+    if group is not None and not _is_positive_int(group):
+        raise PackingConfigError(
+            f"model_config.microbatch_group_size_per_vp_stage={group!r} with virtual_pipeline_model_parallel_size="
+            f"{stages}: set it to None or a positive int (Megatron-Core defaults it to the pipeline-parallel size)"
+        )
+
+
 def virtual_stages(model_config: Any) -> int | None:
-    """The number of virtual pipeline stages per pipeline rank when there are several, else None."""
+    """The number of virtual pipeline stages per pipeline rank when there are several, else None
+    (after :func:`check_virtual_stages`)."""
     stages: Any = getattr(model_config, "virtual_pipeline_model_parallel_size", None)
     return int(stages) if _is_positive_int(stages) and stages > 1 else None
 
@@ -169,6 +193,7 @@ def check_settings(model_config: Any, pool: int, dynamic_cp: bool) -> None:
     """
     check_switches(model_config)
     scheduler_name(model_config)
+    check_virtual_stages(model_config)
     if dynamic_cp:
         check_min_dynamic_cp_size(model_config, pool)
     max_seqlen_per_dp_cp_rank(model_config)

@@ -245,6 +245,29 @@ CASES: list[tuple[BadInput, str, tuple[str, ...]]] = [
         BAD,
         ("not a list", "virtual_pipeline_model_parallel_size=2", "one iterator per virtual pipeline stage"),
     ),
+    (
+        BadInput("virtual stages a float", config=(("virtual_pipeline_model_parallel_size", 2.0),)),
+        CONFIG,
+        ("virtual_pipeline_model_parallel_size=2.0", "None", "positive int"),
+    ),
+    (
+        BadInput("virtual stages True", config=(("virtual_pipeline_model_parallel_size", True),)),
+        CONFIG,
+        ("virtual_pipeline_model_parallel_size=True", "positive int"),
+    ),
+    (
+        BadInput("virtual stages '2' on one rank", rank_config=(("virtual_pipeline_model_parallel_size", "2"),)),
+        CONFIG,
+        ("virtual_pipeline_model_parallel_size='2'", "DP rank 1"),
+    ),
+    (
+        BadInput(
+            "virtual-stage group size 0",
+            config=(("virtual_pipeline_model_parallel_size", 1), ("microbatch_group_size_per_vp_stage", 0)),
+        ),
+        CONFIG,
+        ("microbatch_group_size_per_vp_stage=0", "positive int"),
+    ),
     (BadInput("num_microbatches -1 on one rank", num_microbatches=-1), CONFIG, ("num_microbatches=-1", "DP rank 1")),
     (BadInput("num_microbatches True on one rank", num_microbatches=True), CONFIG, ("not an int", "DP rank 1")),
     (

@@ -13,7 +13,13 @@ from typing import Any
 import pytest
 
 from mcore_compat.errors import PackingConfigError
-from mcore_compat.runtime import check_switches, check_thd_settings, require_groups, virtual_stages
+from mcore_compat.runtime import (
+    check_switches,
+    check_thd_settings,
+    check_virtual_stages,
+    require_groups,
+    virtual_stages,
+)
 
 # (fields on the config, a fragment of the error, or None when the settings pass)
 THD_CASES: list[tuple[dict[str, Any], str | None]] = [
@@ -158,3 +164,25 @@ def test_switches_are_bools(fields: dict[str, Any], fragment: str | None) -> Non
 )
 def test_virtual_stages(value: Any, stages: int | None) -> None:
     assert virtual_stages(SimpleNamespace(virtual_pipeline_model_parallel_size=value)) == stages
+
+
+_VPP, _GROUP = "virtual_pipeline_model_parallel_size", "microbatch_group_size_per_vp_stage"
+VIRTUAL_STAGE_CASES: list[tuple[dict[str, Any], str | None]] = [
+    ({}, None),
+    ({_VPP: None, _GROUP: 0}, None),  # Megatron-Core reads the group size only with virtual stages
+    ({_VPP: 1, _GROUP: None}, None),
+    ({_VPP: 4, _GROUP: 2}, None),
+    ({_VPP: 2.0}, "virtual_pipeline_model_parallel_size=2.0: set it to None"),
+    ({_VPP: "2"}, "virtual_pipeline_model_parallel_size='2'"),
+    ({_VPP: True}, "virtual_pipeline_model_parallel_size=True"),
+    ({_VPP: 0}, "virtual_pipeline_model_parallel_size=0"),
+    ({_VPP: -1}, "virtual_pipeline_model_parallel_size=-1"),
+    ({_VPP: 1, _GROUP: 0}, "microbatch_group_size_per_vp_stage=0 with virtual_pipeline_model_parallel_size=1"),
+    ({_VPP: 2, _GROUP: 2.0}, "microbatch_group_size_per_vp_stage=2.0"),
+]
+
+
+@pytest.mark.parametrize(("fields", "fragment"), VIRTUAL_STAGE_CASES, ids=[str(c[0]) for c in VIRTUAL_STAGE_CASES])
+def test_virtual_stage_settings(fields: dict[str, Any], fragment: str | None) -> None:
+    message = _message(check_virtual_stages, SimpleNamespace(**fields))
+    assert message is None if fragment is None else fragment in (message or ""), message

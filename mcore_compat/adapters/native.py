@@ -186,6 +186,7 @@ class NativeSchedulerAdapter(PackingAdapter):
         runtime.check_switches(model_config)
         runtime.scheduler_name(model_config, tuple(self.capabilities.scheduler_names))
         runtime.check_thd_settings(model_config)
+        runtime.check_virtual_stages(model_config)
         fields: tuple[str, ...] = ("max_seqlen_per_dp_cp_rank", "virtual_pipeline_model_parallel_size")
         if getattr(model_config, "virtual_pipeline_model_parallel_size", None) is not None:
             fields += ("microbatch_group_size_per_vp_stage",)

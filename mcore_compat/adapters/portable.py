@@ -97,19 +97,14 @@ class Step:
     cause: BaseException | None = None
 
 
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
 def read_settings(model_config: Any) -> Settings:
     """Read and check the config (``wrap`` shares a refusal with every rank through the agreement)."""
     capacity = runtime.max_seqlen_per_dp_cp_rank(model_config)
     runtime.check_thd_settings(model_config)
+    runtime.check_virtual_stages(model_config)
     max_seqs = getattr(model_config, "thd_max_packed_sequences", None)
     vpp_size = getattr(model_config, "virtual_pipeline_model_parallel_size", None)
     vpp_group = getattr(model_config, "microbatch_group_size_per_vp_stage", None) if vpp_size is not None else None
-    if vpp_group is not None and not _positive_int(vpp_group):
-        raise PackingConfigError(f"model_config.microbatch_group_size_per_vp_stage={vpp_group!r}: use a positive int")
     scheduler = getattr(model_config, "sequence_packing_scheduler", SCHEDULER)
     return Settings(capacity, vpp_size, vpp_group, max_seqs, scheduler if scheduler in PLANNERS else SCHEDULER)
 
