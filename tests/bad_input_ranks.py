@@ -87,6 +87,17 @@ class _UndecodableSample(dict):
         raise RuntimeError(f"cannot decode {key!r}")
 
 
+_COUNTING = torch.arange(1 << 16, dtype=torch.int64)
+"""One counting tensor that every ``shared_positions`` sample's ``position_ids`` is a view of (a dataset's cache)."""
+
+
+def _shared_buffer(sample: dict) -> dict:
+    """``tokens`` and ``labels`` as two views of one buffer (the same values)."""
+    n = sample["tokens"].numel()
+    buffer = torch.cat((sample["tokens"], sample["labels"]))
+    return {**sample, "tokens": buffer[:n], "labels": buffer[n:]}
+
+
 def mutate(name: str, item: Any, capacity: int, align: int) -> Any:
     """The item with defect ``name`` (the item is one unpacked sample dict)."""
     s = item
@@ -149,6 +160,8 @@ def mutate(name: str, item: Any, capacity: int, align: int) -> Any:
         "extra_string_key": lambda: {**s, "source": "wiki"},
         "huge_padded": lambda: _lengths(s, padded=torch.tensor([1 << 40], dtype=torch.int64)),
         "numpy_tokens": lambda: {**s, "tokens": s["tokens"].numpy()},
+        "shared_positions": lambda: {**s, "position_ids": _COUNTING[:n]},
+        "shared_buffer": lambda: _shared_buffer(s),
     }
     return table[name]()
 
@@ -174,7 +187,7 @@ class _Raising(Iterator[Any]):
         return next(self._source)
 
 
-ITERATOR_MUTATIONS = ("exhausted", "raising", "none_iterator", "list")
+ITERATOR_MUTATIONS = ("exhausted", "raising", "none_iterator", "list", "aliased", "duplicated")
 """Mutations of the data iterator itself; every other one is a :func:`mutate` of one item."""
 
 
@@ -194,6 +207,11 @@ def _source(case: Case, bad: BadInput, pg: Any) -> Iterator[Any] | None:
         return None
     if bad.mutation == "list":
         return [next(source) for _ in range(case.num_microbatches)]  # type: ignore[return-value]
+    if bad.mutation in ("aliased", "duplicated"):
+        items = [next(source) for _ in range(case.num_microbatches)]
+        previous = items[bad.index - 1]
+        items[bad.index] = previous if bad.mutation == "aliased" else {k: v.clone() for k, v in previous.items()}
+        return iter(items)
     capacity = case.max_seqlen_per_dp_cp_rank * case.layout.cp
     align = case.sample_spec.multiple
     return _Mutated(source, bad.index, lambda item: mutate(bad.mutation, item, capacity, align))  # type: ignore[arg-type]

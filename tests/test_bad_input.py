@@ -287,6 +287,10 @@ CASES: list[tuple[BadInput, str, tuple[str, ...]]] = [
     (BadInput("pre-packed without padded bounds on one rank", "prepacked_whole32", index=-1), "ok", ()),
     (BadInput("pre-packed without padded bounds on every rank", "prepacked_whole32", index=-1, dp_rank=None), "ok", ()),
     (BadInput("int64 cu_seqlens on one rank", "prepacked_whole64", index=-1), "ok", ()),
+    (BadInput("the same sample object twice on one rank", "aliased"), "ok", ()),
+    (BadInput("a copy of a sample twice on one rank", "duplicated"), "ok", ()),
+    (BadInput("position_ids views of one shared tensor", "shared_positions", index=-1, dp_rank=None), "ok", ()),
+    (BadInput("tokens and labels views of one buffer on one rank", "shared_buffer", index=-1), "ok", ()),
     (BadInput("extra fetch", extra_fetch=True), "ok", ()),
     (BadInput("good input", dp_rank=None), "ok", ()),
     (BadInput("good input, dynamic CP", dp_rank=None, dynamic_cp=True), "ok", ()),
@@ -356,13 +360,17 @@ SAME_MICROBATCHES = [
     ("pre-packed without padded bounds on one rank", "no padding on one rank"),
     ("int64 cu_seqlens on one rank", "no padding on one rank"),
     ("pre-packed without padded bounds on every rank", "no padding on every rank"),
+    ("the same sample object twice on one rank", "a copy of a sample twice on one rank"),
+    ("position_ids views of one shared tensor", GOOD),
+    ("tokens and labels views of one buffer on one rank", GOOD),
 ]
 
 
 @pytest.mark.parametrize(("name", "reference"), SAME_MICROBATCHES)
 def test_every_accepted_sample_layout_packs_the_same(outcomes: dict, name: str, reference: str):
-    """Samples in either form, with lengths of any integer dtype or ``[1, 1]``, ``[1, L]`` or strided fields, or extra
-    keys, on one DP rank give every rank the very microbatches the same sequences give as plain unpacked samples."""
+    """Samples in either form, with lengths of any integer dtype or ``[1, 1]``, ``[1, L]`` or strided fields, extra
+    keys, or fields that share storage (one sample object pulled twice, views of one buffer), on one DP rank give every
+    rank the very microbatches the same sequences give as plain unpacked samples (nothing writes into them)."""
     expected = {o.rank: o.fetched for o in outcomes["runs"][reference]}
     other = {o.rank: o.fetched for o in outcomes["runs"][name]}
     assert all(expected.values())
