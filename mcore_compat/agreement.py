@@ -49,7 +49,17 @@ from mcore_compat.portable.errors import (
 )
 from mcore_compat.runtime import settings_words
 
-__all__ = ["ROW_WIDTH", "SETUP_ERRORS", "Row", "agree", "decide", "digest", "fail_together", "microbatch_count"]
+__all__ = [
+    "ROW_WIDTH",
+    "SETUP_ERRORS",
+    "Row",
+    "agree",
+    "all_agree",
+    "decide",
+    "digest",
+    "fail_together",
+    "microbatch_count",
+]
 
 _FIELDS = ("num_microbatches", "loads", "dp_rank", "cp_rank", "pp_rank", "tp_rank", "count", "digest")
 ROW_WIDTH = VERDICT_WIDTH + len(_FIELDS) + len(SETTINGS_FIELDS)
@@ -148,6 +158,28 @@ def decide(rows: Sequence[Row]) -> list[int]:
     return list(OK)
 
 
+def _column(name: str) -> int:
+    return VERDICT_WIDTH + _FIELDS.index(name)
+
+
+def all_agree(table: torch.Tensor) -> bool:
+    """Whether :func:`decide` returns OK for these rows (a ``[ranks, ROW_WIDTH]`` int64 tensor), in a few tensor
+    operations instead of one Python row per rank: at 4096 ranks the common, good step then costs well under a
+    millisecond on the host. False means "ask :func:`decide`", which names the problem."""
+    counts, loads, problem = table[:, _column("num_microbatches")], table[:, _column("loads")] != 0, table[:, 0]
+    settings = table[:, ROW_WIDTH - len(SETTINGS_FIELDS) :]
+    if bool(((problem != Problem.NONE) & (loads | (problem == Problem.CONFIG_REFUSED))).any()):
+        return False  # a refusal on any rank, a problem on a loading rank
+    if int(counts[0]) < 1 or bool((counts != counts[0]).any()) or bool((settings != settings[0]).any()):
+        return False
+    loading = table[loads]
+    key = loading[:, _column("pp_rank")] * (1 << 32) + loading[:, _column("dp_rank")]
+    order = torch.argsort(key, stable=True)
+    key, lengths = key[order], loading[order][:, [_column("count"), _column("digest")]]
+    siblings_differ = (key[1:] == key[:-1]) & (lengths[1:] != lengths[:-1]).any(dim=1)
+    return not bool(siblings_differ.any())
+
+
 def _device() -> torch.device:
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -198,10 +230,10 @@ def agree(
         local = torch.tensor(words, dtype=torch.int64, device=_device())
         out = torch.empty(dist.get_world_size() * ROW_WIDTH, dtype=torch.int64, device=local.device)
         dist.all_gather_single(out, local)  # torch 2.13 deprecates all_gather_into_tensor for it
-        table = out.reshape(-1, ROW_WIDTH).cpu().tolist()
+        table = out.reshape(-1, ROW_WIDTH).cpu()
     else:
-        table = [words]
-    outcome = decide([Row.from_words(w) for w in table])
+        table = torch.tensor([words], dtype=torch.int64)
+    outcome = list(OK) if all_agree(table) else decide([Row.from_words(w) for w in table.tolist()])
     if outcome[0] == Problem.CONFIG_REFUSED:
         raise _shared_refusal(outcome, refused, len(table)) from refused
     own = batch is not None and list(batch.verdict) == outcome

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from mcore_compat.agreement import ROW_WIDTH, Row, agree, decide, fail_together
+from mcore_compat.agreement import ROW_WIDTH, Row, agree, all_agree, decide, fail_together
 from mcore_compat.errors import PackingConfigError, UnsupportedPinError
 from mcore_compat.portable.errors import OK, REFUSAL_KINDS, SETTINGS_FIELDS, Problem, record
 
@@ -43,6 +46,57 @@ CASES = [
 @pytest.mark.parametrize(("rows", "expected"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_decide(rows: list[Row], expected: list[int]) -> None:
     assert decide(rows) == expected
+
+
+@pytest.mark.parametrize(("rows", "expected"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_all_agree_only_where_decide_finds_nothing(rows: list[Row], expected: list[int]) -> None:
+    assert all_agree(torch.tensor([row.words() for row in rows])) is (expected == list(OK))
+
+
+FAULTS = ("verdict", "count", "zero count", "settings", "lengths", "digest", "not loading")
+
+
+@st.composite
+def _tables(draw: st.DrawFn) -> list[Row]:
+    """Rows of a DP x CP x PP job (every rank loading, some CP siblings), with a few faults on drawn ranks."""
+    dp, cp, pp = draw(st.integers(1, 4)), draw(st.integers(1, 3)), draw(st.integers(1, 2))
+    world = dp * cp * pp
+    faults = draw(st.lists(st.tuples(st.sampled_from(FAULTS), st.integers(0, world - 1)), max_size=3))
+    rows = []
+    for rank in range(world):
+        hit = {fault for fault, at in faults if at == rank}
+        verdict = record(draw(st.sampled_from(list(Problem)[1:])), rank % dp) if "verdict" in hit else list(OK)
+        settings = [7] * len(SETTINGS_FIELDS)
+        if "settings" in hit:
+            settings[rank % len(settings)] = 8
+        rows.append(
+            Row(
+                verdict,
+                0 if "zero count" in hit else 3 if "count" in hit else 4,
+                int("not loading" not in hit),
+                rank % dp,
+                (rank // dp) % cp,
+                rank // (dp * cp),
+                0,
+                3 if "lengths" in hit else 2,
+                12 if "digest" in hit else 11,
+                settings,
+            )
+        )
+    return rows
+
+
+@settings(max_examples=400, deadline=None)
+@given(_tables())
+def test_all_agree_is_decide_finding_nothing(rows: list[Row]) -> None:
+    """The tensor check and the row-by-row verdict agree on every table, good or bad."""
+    assert all_agree(torch.tensor([row.words() for row in rows])) is (decide(rows) == list(OK))
+
+
+def test_cp_siblings_fed_different_lengths_are_not_all_agreed() -> None:
+    siblings = [_row(0), Row(list(OK), 4, 1, 0, 1, 0, 0, 3, 11, [7] * len(SETTINGS_FIELDS)), _row(1)]
+    assert decide(siblings)[0] == Problem.CP_MISMATCH
+    assert not all_agree(torch.tensor([row.words() for row in siblings]))
 
 
 def test_rows_round_trip_through_words() -> None:
