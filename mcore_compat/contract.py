@@ -10,7 +10,8 @@ item is one sample dict or a list of them. A sample comes in one of two forms:
   sequences back to back, and ``cu_seqlens`` (int, ``[n + 1]``) marking them. With
   ``cu_seqlens_padded`` too, ``cu_seqlens_padded`` marks the sequences in the buffer and
   ``cu_seqlens`` counts their real tokens (Megatron-Core's THD convention); without it each
-  sequence is all real. Zero-length sequences (``SFTDataset`` pads ``cu_seqlens`` with them) are skipped.
+  sequence is all real. Zero-length sequences (``SFTDataset`` pads ``cu_seqlens`` with them) are skipped, but a
+  sample needs at least one sequence.
 
 Every sequence: at least one real token, ``original <= padded``, ``padded`` a multiple of
 :func:`alignment_multiple` and at most the bin capacity, ``position_ids`` ``0 .. original - 1`` over
@@ -455,6 +456,8 @@ def _prepacked(raw: Mapping[str, Any], rank: int, index: int, limits: Limits) ->
         if sample is None:
             return [], verdict
         samples.append(sample)
+    if not samples:  # a step may then hold no sequence on this rank, which Megatron-Core waits on forever
+        return [], record(Problem.BAD_CU_SEQLENS, rank, index, a=SAMPLE_KEYS.index("cu_seqlens"), b=4, c=real[-1])
     return samples, OK
 
 

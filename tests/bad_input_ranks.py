@@ -162,6 +162,15 @@ def mutate(name: str, item: Any, capacity: int, align: int) -> Any:
         "numpy_tokens": lambda: {**s, "tokens": s["tokens"].numpy()},
         "shared_positions": lambda: {**s, "position_ids": _COUNTING[:n]},
         "shared_buffer": lambda: _shared_buffer(s),
+        "empty_prepacked": lambda: {
+            **{k: v[:0] for k, v in s.items() if not k.endswith("seq_len")},
+            "cu_seqlens": torch.tensor([0, 0], dtype=torch.int32),
+        },
+        "empty_prepacked_padded": lambda: {
+            **{k: v[:0] for k, v in s.items() if not k.endswith("seq_len")},
+            "cu_seqlens": torch.tensor([0, 0], dtype=torch.int32),
+            "cu_seqlens_padded": torch.tensor([0, 0], dtype=torch.int32),
+        },
     }
     return table[name]()
 

@@ -236,6 +236,16 @@ CASES: list[tuple[BadInput, str, tuple[str, ...]]] = [
     (BadInput("tokens a numpy array", "numpy_tokens"), BAD, ("'tokens'", "torch.Tensor")),
     (BadInput("tuple item", "tuple_item"), BAD, ("item 1", "list of dicts")),
     (BadInput("padded length 2**40", "huge_padded"), BAD, ("padded_seq_len", "1099511627776")),
+    (
+        BadInput("pre-packed samples with no sequence on one rank", "empty_prepacked_padded", index=-1),
+        BAD,
+        ("DP rank 1", "'cu_seqlens' marks no sequence", "drop empty samples"),
+    ),
+    (
+        BadInput("pre-packed samples with no sequence on every rank", "empty_prepacked", index=-1, dp_rank=None),
+        BAD,
+        ("DP rank 0", "'cu_seqlens' marks no sequence"),
+    ),
     (BadInput("data_iterator None on a loading rank", "none_iterator"), BAD, ("data_iterator=None", "DP rank 1")),
     (
         BadInput(

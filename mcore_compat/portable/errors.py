@@ -189,6 +189,7 @@ _BOUNDS_PROBLEMS = {
     1: "does not start at 0 (it starts at {c})",
     2: "decreases at entry {c}",
     3: "has a different number of entries than cu_seqlens (difference {c})",
+    4: "marks no sequence (it ends at {c}): every sample needs at least one token (drop empty samples)",
 }
 
 
