@@ -45,6 +45,7 @@ from mcore_compat.portable.errors import (
     VERDICT_WIDTH,
     Problem,
     raise_if_bad,
+    ran_out,
     record,
 )
 from mcore_compat.runtime import settings_words
@@ -122,8 +123,9 @@ def decide(rows: Sequence[Row]) -> list[int]:
     In order: a rank whose own checks refused its settings (``CONFIG_REFUSED`` with the global rank in
     ``a``, the message length in ``b`` and the number of refusing ranks in ``c``); a ``num_microbatches``
     below 1 or not an int; ranks passing different ``num_microbatches``; ranks reading different packing
-    settings from their model config; the data running out on every loading rank at once (``EXHAUSTED``
-    with ``c=1``, raised as ``StopIteration``); the first loading rank's problem; CP siblings (same PP stage
+    settings from their model config; the data running out on every loading rank
+    (:func:`~mcore_compat.portable.errors.ran_out`: ``StopIteration`` when it ended between steps); the first
+    loading rank's problem; CP siblings (same PP stage
     and DP rank) that were fed different lengths.
     """
     refusing = [(rank, row) for rank, row in enumerate(rows) if row.verdict[0] == Problem.CONFIG_REFUSED]
@@ -144,8 +146,9 @@ def decide(rows: Sequence[Row]) -> list[int]:
                 return record(Problem.SETTINGS_MISMATCH, row.dp_rank, field, a=rank, b=value, c=first)
     loading = [row for row in rows if row.loads]
     problems = [list(row.verdict) for row in loading if row.verdict[0] != Problem.NONE]
-    if problems and len(problems) == len(loading) and all(p[0] == Problem.EXHAUSTED and p[3] == 0 for p in problems):
-        return record(Problem.EXHAUSTED, c=1)
+    ended = ran_out(problems, len(loading))
+    if ended is not None:
+        return ended
     if problems:
         return problems[0]
     seen: dict[tuple[int, int], tuple[int, Row]] = {}

@@ -135,6 +135,7 @@ def mutate(name: str, item: Any, capacity: int, align: int) -> Any:
         "cu_decreasing": lambda: _prepacked_decreasing(s),
         "prepacked": lambda: prepack([s]),
         "oversize": lambda: _oversize(s, capacity + align),
+        "at_capacity": lambda: _oversize(s, capacity),
         "misaligned": lambda: _oversize(s, capacity - 1),
         "loss_mask_requires_grad": lambda: _per_token(s, lambda v: v.clone().requires_grad_(), ("loss_mask",)),
         "strided_tokens": lambda: _per_token(s, lambda v: v.repeat_interleave(2)[::2], ("tokens", "labels")),

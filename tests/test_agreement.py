@@ -40,6 +40,11 @@ CASES = [
         [_row(0, record(Problem.EXHAUSTED, 0, a=0, b=4)), _row(1, record(Problem.EXHAUSTED, 1, a=0, b=4))],
         record(Problem.EXHAUSTED, c=1),
     ),
+    (
+        "every loading rank ran out partway through the step",
+        [_row(0, record(Problem.EXHAUSTED, 0, a=2, b=4)), _row(1, record(Problem.EXHAUSTED, 1, a=0, b=4))],
+        record(Problem.EXHAUSTED, 0, a=2, b=4, c=2),
+    ),
 ]
 
 

@@ -237,6 +237,11 @@ CASES: list[tuple[BadInput, str, tuple[str, ...]]] = [
     (BadInput("tuple item", "tuple_item"), BAD, ("item 1", "list of dicts")),
     (BadInput("padded length 2**40", "huge_padded"), BAD, ("padded_seq_len", "1099511627776")),
     (
+        BadInput("every rank runs out partway through the step", "exhausted", dp_rank=None, index=2),
+        BAD,
+        ("ran out on every data-loading rank partway", "after 2 of num_microbatches=4", "whole number of steps"),
+    ),
+    (
         BadInput("pre-packed samples with no sequence on one rank", "empty_prepacked_padded", index=-1),
         BAD,
         ("DP rank 1", "'cu_seqlens' marks no sequence", "drop empty samples"),

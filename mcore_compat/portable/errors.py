@@ -227,10 +227,16 @@ def describe(record: Sequence[int]) -> str:
             f"data_iterator on DP rank {rank} is {given} with virtual_pipeline_model_parallel_size={b}; pass a list "
             f"of {b}, one iterator per virtual pipeline stage (None for a stage that loads no data)"
         )
-    if problem is Problem.EXHAUSTED and c:
+    if problem is Problem.EXHAUSTED and c == RAN_OUT_BETWEEN_STEPS:
         return (
             "data_iterator is exhausted on every data-loading rank (no samples left for this step); "
             "stop the loop here or size the loader for more steps"
+        )
+    if problem is Problem.EXHAUSTED and c == RAN_OUT_WITHIN_STEP:
+        return (
+            f"data_iterator ran out on every data-loading rank partway through this step (DP rank {rank} after {a} "
+            f"of num_microbatches={b} items): the loader does not hold a whole step; size it to a whole number of "
+            "steps (drop the last partial global batch) or lower num_microbatches"
         )
     if problem is Problem.EXHAUSTED:
         return (
@@ -413,13 +419,30 @@ CONFIG_PROBLEMS = frozenset({Problem.BAD_NUM_MICROBATCHES, Problem.MICROBATCH_MI
 """Problems with the trainer's per-step argument or its config, raised as :class:`AgreedConfigError`."""
 
 
+RAN_OUT_BETWEEN_STEPS, RAN_OUT_WITHIN_STEP = 1, 2
+"""Word ``c`` of an agreed ``EXHAUSTED`` verdict: every data-loading rank ran out before its first item (the
+data ended between steps: ``StopIteration``), or every one ran out partway through the step (an error)."""
+
+
+def ran_out(problems: Sequence[Sequence[int]], loading: int) -> list[int] | None:
+    """The agreed verdict when the data ran out on all ``loading`` data-loading ranks (``problems``: theirs),
+    or None when some rank had another problem or none (its own record then speaks)."""
+    if not problems or len(problems) != loading or any(p[0] != Problem.EXHAUSTED for p in problems):
+        return None
+    if all(p[3] == 0 for p in problems):
+        return record(Problem.EXHAUSTED, c=RAN_OUT_BETWEEN_STEPS)
+    first = problems[0]
+    return record(Problem.EXHAUSTED, first[1], a=first[3], b=first[4], c=RAN_OUT_WITHIN_STEP)
+
+
 def raise_if_bad(verdict: Sequence[int], cause: BaseException | None = None) -> None:
     """Raise for a bad verdict: ``StopIteration`` when every rank's data ran out together or a fetch came after
     the last packed microbatch, else the packing error."""
     if int(verdict[0]) == Problem.NONE:
         return
     error = (AgreedConfigError if int(verdict[0]) in CONFIG_PROBLEMS else PortablePackingError)(verdict)
-    if (error.problem is Problem.EXHAUSTED and int(verdict[5])) or error.problem is Problem.PACKED_EXHAUSTED:
+    ended = error.problem is Problem.EXHAUSTED and int(verdict[5]) == RAN_OUT_BETWEEN_STEPS
+    if ended or error.problem is Problem.PACKED_EXHAUSTED:
         raise StopIteration(str(error)) from cause
     raise error from cause
 
@@ -433,6 +456,8 @@ __all__ = [
     "AgreedConfigError",
     "PortablePackingError",
     "Problem",
+    "RAN_OUT_BETWEEN_STEPS",
+    "RAN_OUT_WITHIN_STEP",
     "REFUSAL_KINDS",
     "SAMPLE_KEYS",
     "SETTINGS_FIELDS",
@@ -442,5 +467,6 @@ __all__ = [
     "dtype_index",
     "exception_index",
     "raise_if_bad",
+    "ran_out",
     "record",
 ]

@@ -24,7 +24,7 @@ import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from mcore_compat.portable.errors import OK, PortablePackingError, Problem, record
+from mcore_compat.portable.errors import OK, PortablePackingError, Problem, ran_out, record
 
 __all__ = [
     "PLANNERS",
@@ -290,16 +290,17 @@ def step_table(reports: Sequence[ReportedLengths], cp_rank: int) -> StepTable:
 def judge(reports: Sequence[ReportedLengths], *, capacity: int, dp_size: int, cp_size: int) -> list[int]:
     """The one verdict every rank reaches from the gathered reports (``OK`` when the step can be packed).
 
-    In order: a DP x CP group that is not a ``dp x cp`` grid; the data running out (``StopIteration``
-    when it ran out everywhere at once); the first rank-local problem; CP siblings that were fed
+    In order: a DP x CP group that is not a ``dp x cp`` grid; the data running out on every rank
+    (:func:`~mcore_compat.portable.errors.ran_out`); the first rank-local problem; CP siblings that were fed
     different samples; the first sample longer than the bin capacity.
     """
     coordinates = sorted((r.dp_rank, r.cp_rank) for r in reports)
     if coordinates != [(d, c) for d in range(dp_size) for c in range(cp_size)]:
         return record(Problem.BAD_LAYOUT, a=len(reports), b=dp_size, c=cp_size)
     problems = [list(r.verdict) for r in reports if r.verdict[0] != Problem.NONE]
-    if problems and all(p[0] == Problem.EXHAUSTED and p[3] == 0 for p in problems) and len(problems) == len(reports):
-        return record(Problem.EXHAUSTED, c=1)
+    ended = ran_out(problems, len(reports))
+    if ended is not None:
+        return ended
     if problems:
         return problems[0]
     lanes: dict[int, ReportedLengths] = {}

@@ -143,6 +143,17 @@ EXHAUSTED_AT_0 = record(Problem.EXHAUSTED, 0, a=0, b=4)
         ),
         # only some ran out: an error
         (_reports([[4], []], verdicts={(1, 0): EXHAUSTED_AT_0}), EXHAUSTED_AT_0),
+        # everyone ran out partway through the step: an error naming the first, not StopIteration
+        (
+            _reports(
+                [[4], []],
+                verdicts={
+                    (0, 0): record(Problem.EXHAUSTED, 0, a=1, b=3),
+                    (1, 0): record(Problem.EXHAUSTED, 1, a=0, b=3),
+                },
+            ),
+            record(Problem.EXHAUSTED, 0, a=1, b=3, c=2),
+        ),
         # CP siblings must agree
         (
             _reports([[4], [4]], cp=2)[:3] + [ReportedLengths(OK, 1, 1, [2], [2])],
