@@ -41,6 +41,7 @@ from mcore_compat.errors import PackingConfigError
 from mcore_compat.portable.errors import (
     OK,
     SAMPLE_KEYS,
+    ItemKind,
     LengthKind,
     Problem,
     TensorKind,
@@ -474,6 +475,21 @@ def _check_failure(raw: Mapping[str, Any], rank: int, index: int, exc: Exception
     return record(Problem.CHECK_FAILED, rank, index, a=exception_index(exc))
 
 
+def _item_kind(item: Any) -> ItemKind:
+    """What a pulled item that is neither a sample dict nor a non-empty list of them is, for the message."""
+    if item is None:
+        return ItemKind.NONE
+    if isinstance(item, list):
+        return ItemKind.LIST_OF_OTHER if item else ItemKind.EMPTY_LIST
+    kinds = (
+        (str, ItemKind.STRING),
+        (tuple, ItemKind.TUPLE),
+        (Mapping, ItemKind.MAPPING),
+        (torch.Tensor, ItemKind.TENSOR),
+    )
+    return next((kind for cls, kind in kinds if isinstance(item, cls)), ItemKind.OTHER)
+
+
 def check_items(items: list[Any], rank: int, limits: Limits) -> tuple[list[Sample], list[int], Exception | None, bool]:
     """Check pulled items against the contract; returns their sequences, or the first problem (and what a check
     raised, for a sample no check foresaw: it is reported, never raised, so that every rank fails together), and
@@ -485,7 +501,7 @@ def check_items(items: list[Any], rank: int, limits: Limits) -> tuple[list[Sampl
         elif isinstance(item, list) and item and all(isinstance(m, dict) for m in item):
             raw_samples.extend(item)
         else:
-            return [], record(Problem.BAD_ITEM, rank, a=index), None, False
+            return [], record(Problem.BAD_ITEM, rank, a=index, b=_item_kind(item)), None, False
     samples: list[Sample] = []
     first_form = None
     plain = True

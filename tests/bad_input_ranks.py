@@ -8,6 +8,7 @@ inside a collective would show up as a timeout of the whole group.
 
 from __future__ import annotations
 
+import collections
 import importlib
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -136,12 +137,14 @@ def mutate(name: str, item: Any, capacity: int, align: int) -> Any:
         "prepacked": lambda: prepack([s]),
         "oversize": lambda: _oversize(s, capacity + align),
         "at_capacity": lambda: _oversize(s, capacity),
+        "no_original": lambda: {k: v for k, v in s.items() if k != "original_seq_len"},
         "misaligned": lambda: _oversize(s, capacity - 1),
         "loss_mask_requires_grad": lambda: _per_token(s, lambda v: v.clone().requires_grad_(), ("loss_mask",)),
         "strided_tokens": lambda: _per_token(s, lambda v: v.repeat_interleave(2)[::2], ("tokens", "labels")),
         "position_ids_int32": lambda: _per_token(s, lambda v: v.int(), ("position_ids",)),
         "loss_mask_float16": lambda: _per_token(s, lambda v: v.half(), ("loss_mask",)),
         "tuple_item": lambda: (s,),
+        "user_dict": lambda: collections.UserDict(s),
         "lengths_2d": lambda: {**s, "padded_seq_len": s["padded_seq_len"].reshape(1, 1)},
         "lengths_int64": lambda: {**s, "padded_seq_len": s["padded_seq_len"].long()},
         "unsqueezed": lambda: {

@@ -151,6 +151,35 @@ class LengthKind(enum.IntEnum):
     """Plus the index of the tensor's dtype in :data:`DTYPES`; ``c`` holds the float64 bits of the value."""
 
 
+class ItemKind(enum.IntEnum):
+    """What a pulled item that is not a sample dict or a list of them is (word ``b`` of a ``BAD_ITEM`` record)."""
+
+    OTHER = 0
+    NONE = 1
+    STRING = 2
+    TUPLE = 3
+    MAPPING = 4
+    """A mapping that is not a dict (e.g. a ``UserDict`` such as Hugging Face's ``BatchEncoding``)."""
+    EMPTY_LIST = 5
+    LIST_OF_OTHER = 6
+    TENSOR = 7
+
+
+_ITEM_KINDS: dict[int, str] = {
+    ItemKind.NONE: "None",
+    ItemKind.STRING: "a string",
+    ItemKind.TUPLE: "a tuple",
+    ItemKind.MAPPING: "a mapping that is not a dict",
+    ItemKind.EMPTY_LIST: "an empty list",
+    ItemKind.LIST_OF_OTHER: "a list holding something other than dicts",
+    ItemKind.TENSOR: "a tensor",
+}
+_ITEM_FIXES: dict[int, str] = {
+    ItemKind.TUPLE: "yield a list of dicts instead of a tuple",
+    ItemKind.MAPPING: "yield dict(item)",
+}
+
+
 def dtype_index(dtype: torch.dtype) -> int:
     """Index of ``dtype`` in :data:`DTYPES`, or -1."""
     return DTYPES.index(dtype) if dtype in DTYPES else -1
@@ -250,9 +279,11 @@ def describe(record: Sequence[int]) -> str:
             "see the chained traceback on that rank and fix the dataset or collate function"
         )
     if problem is Problem.BAD_ITEM:
+        what = _ITEM_KINDS.get(b, "another object")
+        fix = _ITEM_FIXES.get(b, "use an identity collate so each next() yields one dict or a list of dicts")
         return (
-            f"item {a} from data_iterator on DP rank {rank} is neither a sample dict nor a list of sample dicts; "
-            "use an identity collate so each next() yields one dict or a list of dicts"
+            f"item {a} from data_iterator on DP rank {rank} is {what}, neither a sample dict nor a list of sample "
+            f"dicts; {fix}"
         )
     if problem is Problem.MIXED_FORMS:
         return (
@@ -451,6 +482,7 @@ __all__ = [
     "CHECK_EXCEPTIONS",
     "CONFIG_PROBLEMS",
     "DTYPES",
+    "ItemKind",
     "NOT_AN_INT",
     "OK",
     "AgreedConfigError",

@@ -10,6 +10,7 @@ from mcore_compat.contract import convert_items, stage_source
 from mcore_compat.portable.errors import (
     OK,
     SAMPLE_KEYS,
+    ItemKind,
     PortablePackingError,
     Problem,
     TensorKind,
@@ -93,7 +94,7 @@ KEY = SAMPLE_KEYS.index
         ([sample(4), sample(3, 6)], 2, record(Problem.MISALIGNED, 0, 1, a=6, b=4)),
         ([prepacked([0, 4, 6])], 2, record(Problem.MISALIGNED, 0, 0, a=2, b=4)),
         ([prepacked([0, 4]), prepacked([0, 0, 0])], 2, record(Problem.BAD_CU_SEQLENS, 0, 1, a=KEY("cu_seqlens"), b=4)),
-        (["not a sample"], 1, record(Problem.BAD_ITEM, 0, a=0)),
+        (["not a sample"], 1, record(Problem.BAD_ITEM, 0, a=0, b=ItemKind.STRING)),
         ([sample(5000), sample(3), sample(9000)], 1, OK),
         ([sample(3, 8, position_ids=torch.tensor([0, 1, 2, 9, 9, 9, 9, 9]))], 1, OK),
         (
