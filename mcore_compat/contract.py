@@ -48,6 +48,7 @@ from mcore_compat.portable.errors import (
     dtype_index,
     exception_index,
     record,
+    value_type,
 )
 
 __all__ = [
@@ -263,7 +264,7 @@ def _token_fields(
         if value is None and key not in raw:
             return fields, record(Problem.MISSING_KEY, rank, index, a=key_index)
         if not isinstance(value, torch.Tensor):
-            return fields, record(Problem.NOT_A_TENSOR, rank, index, a=key_index)
+            return fields, record(Problem.NOT_A_TENSOR, rank, index, a=key_index, b=value_type(value))
         kind = _without_data(value)
         if kind is not None:
             return fields, record(Problem.NO_DATA, rank, index, a=key_index, b=kind)

@@ -48,7 +48,7 @@ CASES: list[tuple[BadInput, str, tuple[str, ...]]] = [
     (BadInput("a mapping that is not a dict", "user_dict"), BAD, ("item 1", "not a dict", "dict(item)")),
     (BadInput("tokens int32", "tokens_int32"), BAD, ("'tokens'", "torch.int32", "torch.int64")),
     (BadInput("loss_mask bool", "loss_mask_bool"), BAD, ("'loss_mask'", "torch.bool", "torch.float32")),
-    (BadInput("tokens a list", "tokens_list"), BAD, ("'tokens'", "torch.Tensor")),
+    (BadInput("tokens a list", "tokens_list"), BAD, ("'tokens' is a list", "torch.tensor(...)")),
     (BadInput("tokens 2-D", "tokens_2d"), BAD, ("'tokens'", "dimensions", "1-D")),
     (BadInput("tokens on the meta device", "tokens_meta"), BAD, ("'tokens'", "meta-device", "dense tensor")),
     (BadInput("sparse loss_mask", "loss_mask_sparse", index=0), BAD, ("'loss_mask'", "not dense", "sample 0")),
@@ -234,7 +234,11 @@ CASES: list[tuple[BadInput, str, tuple[str, ...]]] = [
     ),
     (BadInput("position_ids int32", "position_ids_int32"), BAD, ("'position_ids'", "torch.int32", "torch.int64")),
     (BadInput("loss_mask float16", "loss_mask_float16"), BAD, ("'loss_mask'", "torch.float16", "torch.float32")),
-    (BadInput("tokens a numpy array", "numpy_tokens"), BAD, ("'tokens'", "torch.Tensor")),
+    (
+        BadInput("tokens a numpy array", "numpy_tokens"),
+        BAD,
+        ("'tokens' is a numpy.ndarray", "torch.from_numpy(...)"),
+    ),
     (BadInput("tuple item", "tuple_item"), BAD, ("item 1", "is a tuple", "list of dicts")),
     (BadInput("padded length 2**40", "huge_padded"), BAD, ("padded_seq_len", "1099511627776")),
     (

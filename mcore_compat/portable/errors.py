@@ -151,6 +151,17 @@ class LengthKind(enum.IntEnum):
     """Plus the index of the tensor's dtype in :data:`DTYPES`; ``c`` holds the float64 bits of the value."""
 
 
+VALUE_TYPES: tuple[str, ...] = ("NoneType", "bool", "int", "float", "str", "list", "tuple", "dict", "numpy.ndarray")
+"""Types a ``NOT_A_TENSOR`` record can name (word ``b``: index + 1; 0 for any other)."""
+
+
+def value_type(value: object) -> int:
+    """Word ``b`` of a ``NOT_A_TENSOR`` record for ``value``."""
+    cls = type(value)
+    name = cls.__name__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__name__}"
+    return VALUE_TYPES.index(name) + 1 if name in VALUE_TYPES else 0
+
+
 class ItemKind(enum.IntEnum):
     """What a pulled item that is not a sample dict or a list of them is (word ``b`` of a ``BAD_ITEM`` record)."""
 
@@ -296,7 +307,9 @@ def describe(record: Sequence[int]) -> str:
             "padded_seq_len (original_seq_len defaults to it), pre-packed ones cu_seqlens instead of the lengths"
         )
     if problem is Problem.NOT_A_TENSOR:
-        return f"{where}: {_key(a)!r} is not a torch.Tensor; pass every per-token field as a 1-D tensor"
+        what = f"a {VALUE_TYPES[b - 1]}" if 1 <= b <= len(VALUE_TYPES) else "not a torch.Tensor"
+        hint = "torch.from_numpy(...)" if what == "a numpy.ndarray" else "torch.tensor(...)"
+        return f"{where}: {_key(a)!r} is {what}; pass every per-token field as a 1-D torch.Tensor (e.g. {hint} of it)"
     if problem is Problem.BAD_LENGTH:
         return f"{where}: {_bad_length(_key(a), b, c)}"
     if problem is Problem.BAD_POSITION_IDS:
@@ -483,6 +496,7 @@ __all__ = [
     "CONFIG_PROBLEMS",
     "DTYPES",
     "ItemKind",
+    "VALUE_TYPES",
     "NOT_AN_INT",
     "OK",
     "AgreedConfigError",
@@ -500,5 +514,6 @@ __all__ = [
     "exception_index",
     "raise_if_bad",
     "ran_out",
+    "value_type",
     "record",
 ]

@@ -194,6 +194,16 @@ def test_tensors_without_packable_data_and_samples_that_fail_to_read_are_recorde
         assert isinstance(batch.cause, KeyError)  # chained on the rank that read it
 
 
+@pytest.mark.parametrize(
+    ("value", "named"),
+    [([1, 2], "is a list"), ("ab", "is a str"), (3.5, "is a float"), (object(), "is not a torch.Tensor")],
+)
+def test_a_field_that_is_not_a_tensor_is_named_by_its_type(value, named):
+    verdict = read_step(iter([sample(2, tokens=value)]), 1, rank=0, cp_size=1).verdict
+    assert verdict[0] == Problem.NOT_A_TENSOR
+    assert f"'tokens' {named}" in str(PortablePackingError(verdict))
+
+
 @pytest.mark.parametrize("problem", list(Problem)[1:])
 def test_every_problem_has_a_message_that_names_a_fix(problem):
     message = str(PortablePackingError(record(problem, 1, 2, a=1, b=2, c=3)))
