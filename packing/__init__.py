@@ -192,7 +192,7 @@ def wrap_data_iterator_for_global_batch_packing(
     )
     expect_fetches = getattr(chosen, "expect_fetches", None) if checked_iterator is not None else None
     if expect_fetches is not None:  # a fetch past the count then raises on every TP rank, not in MCore's broadcast
-        expect_fetches(int(count))
+        expect_fetches(int(count), packed, _iterator_for_tp_rank(data_iterator, pg_collection))
     return WrapResult(packed, int(count), float(seqlen_sum), float(seqlen_squared_sum))
 
 
@@ -220,7 +220,7 @@ def get_batch_for_global_batch_packing(
     _, fetch = portable_api or _scheduler_api()
     count_fetch = getattr(chosen, "count_fetch", None)
     if count_fetch is not None and portable_api is None and _scheduler_api is _PIN_SCHEDULER_API:
-        count_fetch(vp_stage)
+        count_fetch(vp_stage, _iterator_for_tp_rank(data_iterator, pg_collection))
     accepted = _accepted_parameters(fetch)
     optional: dict[str, Any] = {}
     if "dynamic_cp" in accepted:

@@ -50,6 +50,8 @@ class BadInput:
     """Run with ``default_dynamic_cp`` on dynamic-CP groups (the model support applied, as a trainer does)."""
     pg_drop: tuple[str, ...] = ()
     """Groups missing from the ``pg_collection`` that ``wrap`` gets on the ranks ``dp_rank`` names (``"*"``: None)."""
+    fetch_from: str = "packed"
+    """What the fetches get: the iterator ``wrap`` returned, the ``"raw"`` sample iterator, or ``"none"``."""
 
 
 def _per_token(sample: dict, fn: Callable[[torch.Tensor], torch.Tensor], keys: Sequence[str]) -> dict:
@@ -294,6 +296,8 @@ def _run(bad: BadInput, case: Case, pg: Any, rank: int) -> Outcome:
             source, config, num_microbatches, wrap_pg
         )
         outcome.microbatches = count
+        if bad.fetch_from != "packed":
+            packed = source if bad.fetch_from == "raw" else None
         for _ in range(count):
             batch = packing.get_batch_for_global_batch_packing(packed, config, pg_collection=pg, vp_stage=None)
             if batch[0] is not None:

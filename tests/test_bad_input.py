@@ -18,6 +18,9 @@ pytestmark = pytest.mark.skipif(NO_MCORE is not None, reason=NO_MCORE or "")
 
 LAYOUTS = (Layout(1, 2, 2), Layout(1, 1, 4), Layout(2, 1, 2))
 BASE = {"num_microbatches": 4, "max_seqlen_per_dp_cp_rank": 32}
+TP_1 = ("1x2x2", "1x1x4")
+"""Layouts where every rank is a TP rank 0: a fetch given the wrong iterator is seen on every rank (with TP > 1
+Megatron-Core's other TP ranks cannot tell, and wait in its broadcast; the portable backend raises on all)."""
 SECONDS = 10.0
 DYNAMIC = (("dynamic_context_parallel", True), ("sequence_packing_scheduler", "default_dynamic_cp"))
 
@@ -313,6 +316,16 @@ CASES: list[tuple[BadInput, str, tuple[str, ...]]] = [
     (BadInput("position_ids views of one shared tensor", "shared_positions", index=-1, dp_rank=None), "ok", ()),
     (BadInput("tokens and labels views of one buffer on one rank", "shared_buffer", index=-1), "ok", ()),
     (BadInput("extra fetch", extra_fetch=True), "ok", ()),
+    (
+        BadInput("fetch from the consumed sample iterator", fetch_from="raw", layouts=TP_1),
+        BAD,
+        ("get_batch_for_global_batch_packing", "pass the", "wrap_data_iterator_for_global_batch_packing"),
+    ),
+    (
+        BadInput("fetch from None on TP rank 0", fetch_from="none", layouts=TP_1),
+        BAD,
+        ("data_iterator=None on TP rank 0", "pass that iterator"),
+    ),
     (BadInput("good input", dp_rank=None), "ok", ()),
     (BadInput("good input, dynamic CP", dp_rank=None, dynamic_cp=True), "ok", ()),
 ]

@@ -318,6 +318,11 @@ def mtp_probe() -> MtpProbe:
     )
 
 
+def per_stage(iterators: Any) -> list[Any]:
+    """An iterator argument as a list of one per virtual stage (a single iterator or None: a list of one)."""
+    return list(iterators) if isinstance(iterators, list | tuple) else [iterators]
+
+
 __all__ = [
     "DYNAMIC_CP_SCHEDULERS",
     "FETCH_ARITY",
@@ -329,6 +334,7 @@ __all__ = [
     "WrapResult",
     "STATIC_SCHEDULERS",
     "mtp_probe",
+    "per_stage",
     "pin_hint",
     "pins_running",
     "resolve_cp_group",

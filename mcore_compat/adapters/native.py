@@ -14,6 +14,7 @@ from mcore_compat.adapters.base import (
     PackingAdapter,
     RoutePrebuilder,
     WrapResult,
+    per_stage,
 )
 from mcore_compat.agreement import SETUP_ERRORS, agree, fail_together, microbatch_count
 from mcore_compat.capabilities import Capabilities
@@ -50,6 +51,8 @@ class NativeSchedulerAdapter(PackingAdapter):
         super().__init__(capabilities)
         self._packed_count: int | None = None
         self._fetched: dict[int | None, int] = {}
+        self._packed: list[Any] = []
+        self._consumed: list[Any] = []
         module = importlib.import_module(SCHEDULER_MODULE)
         self._wrap = getattr(module, WRAP_FUNCTION)
         self._fetch = getattr(module, FETCH_FUNCTION)
@@ -135,7 +138,7 @@ class NativeSchedulerAdapter(PackingAdapter):
         packed, count, seqlen_sum, seqlen_squared_sum = self._wrap(
             iterator, model_config, num_microbatches, pg_collection=pg_collection
         )
-        self.expect_fetches(int(count))
+        self.expect_fetches(int(count), packed, data_iterator)
         return WrapResult(packed, int(count), float(seqlen_sum), float(seqlen_squared_sum))
 
     def checked_iterator(self, data_iterator: Any, model_config: Any, num_microbatches: int, pg_collection: Any) -> Any:
@@ -213,8 +216,8 @@ class NativeSchedulerAdapter(PackingAdapter):
             kwargs["dynamic_cp"] = self.dynamic_cp_enabled(model_config)
         if "config" in self.facts.fetch_keywords:
             kwargs["config"] = model_config
-        self.count_fetch(vp_stage)
         iterator = data_iterator if pg_collection.tp.rank() == 0 else None
+        self.count_fetch(vp_stage, iterator)
         batch = tuple(self._fetch(iterator, **kwargs))
         return PackedBatch(*batch, *(None,) * (FETCH_ARITY - len(batch)))
 
@@ -229,21 +232,30 @@ class NativeSchedulerAdapter(PackingAdapter):
             return self._portable().finalize(packed_seq_params, pg_collection, route_prebuilder=route_prebuilder)
         return super().finalize(packed_seq_params, pg_collection, route_prebuilder=route_prebuilder)
 
-    def expect_fetches(self, count: int) -> None:
-        """This step's packed iterator yields ``count`` microbatches (per virtual stage)."""
+    def expect_fetches(self, count: int, packed: Any = None, consumed: Any = None) -> None:
+        """This step's packed iterator (``packed``, as ``wrap`` returned it on this rank) yields ``count``
+        microbatches per virtual stage; ``consumed`` is the sample iterator ``wrap`` was given here."""
         self._fetched, self._packed_count = {}, count
+        self._packed = per_stage(packed)
+        self._consumed = [it for it in per_stage(consumed) if it is not None]
 
-    def count_fetch(self, vp_stage: int | None) -> None:
-        """Raise ``StopIteration`` on every TP rank for a fetch past the microbatch count ``wrap`` returned.
+    def count_fetch(self, vp_stage: int | None, data_iterator: Any = None) -> None:
+        """Refuse a fetch Megatron-Core would fail in, before its broadcast over TP.
 
-        Every rank knows the count (MCore broadcasts it over TP), so no rank enters the fetch's
-        broadcast alone.
+        A fetch past the microbatch count ``wrap`` returned raises ``StopIteration`` on every TP rank (every
+        rank knows the count: MCore broadcasts it). On TP rank 0, ``data_iterator`` None where ``wrap``
+        returned a packed iterator, or the sample iterator ``wrap`` consumed, raises a packing error naming
+        the fix (at TP size 1 on every rank; with TP the other TP ranks cannot tell, see the README).
         """
         if self._packed_count is None:
             return
         done = self._fetched.get(vp_stage, 0)
         if done >= self._packed_count:
             raise_if_bad(record(Problem.PACKED_EXHAUSTED, a=self._packed_count))
+        if data_iterator is None and any(it is not None for it in self._packed):
+            raise_if_bad(record(Problem.PACKED_NO_ITERATOR))
+        if any(data_iterator is it for it in self._consumed):
+            raise_if_bad(record(Problem.PACKED_RAW_ITERATOR))
         self._fetched[vp_stage] = done + 1
 
 

@@ -40,7 +40,14 @@ import torch
 
 import mcore_compat.dynamic_cp as dynamic_cp_support
 import mcore_compat.runtime as runtime
-from mcore_compat.adapters.base import DYNAMIC_CP_SCHEDULERS, PackedBatch, PackingAdapter, RoutePrebuilder, WrapResult
+from mcore_compat.adapters.base import (
+    DYNAMIC_CP_SCHEDULERS,
+    PackedBatch,
+    PackingAdapter,
+    RoutePrebuilder,
+    WrapResult,
+    per_stage,
+)
 from mcore_compat.agreement import SETUP_ERRORS, agree, fail_together, microbatch_count
 from mcore_compat.capabilities import Capabilities
 from mcore_compat.contract import Limits, LocalBatch, read_step, stage_source
@@ -127,6 +134,8 @@ class PortableAdapter(PackingAdapter):
             self._rerun_iterator: Any = importlib.import_module("megatron.core.rerun_state_machine").RerunDataIterator
         except (ImportError, AttributeError):
             self._rerun_iterator = iter
+        self._consumed: list[Any] = []
+        """The sample iterators the last ``wrap`` pulled from on this rank (a fetch given one is refused)."""
 
     @classmethod
     def speaks(cls, capabilities: Capabilities) -> bool:
@@ -185,6 +194,7 @@ class PortableAdapter(PackingAdapter):
     # -- wrap: one step -------------------------------------------------------------------------
 
     def wrap(self, data_iterator: Any, model_config: Any, num_microbatches: int, pg_collection: Any) -> WrapResult:
+        self._consumed = [it for it in per_stage(data_iterator) if it is not None]
         try:
             settings, limits, min_size = self._step_settings(model_config, pg_collection)
         except SETUP_ERRORS as error:
@@ -427,7 +437,11 @@ class PortableAdapter(PackingAdapter):
 
         dynamic_step = self.dynamic_cp_enabled(model_config)
         if tp.rank() == 0:
-            verdict, view = self._next_local_view(data_iterator, keys, split, dynamic_step)
+            view: dict[str, torch.Tensor] = {}
+            if any(data_iterator is it for it in self._consumed):
+                verdict = record(Problem.PACKED_RAW_ITERATOR)
+            else:
+                verdict, view = self._next_local_view(data_iterator, keys, split, dynamic_step)
             if tp.size() > 1:
                 exchange.broadcast_buffer(_encode_view(verdict, view, keys), tp, device)
         else:
@@ -481,8 +495,10 @@ class PortableAdapter(PackingAdapter):
         dynamic_step: bool,
     ) -> tuple[list[int], dict[str, torch.Tensor]]:
         """TP rank 0: the next packed microbatch, sliced for this CP rank (or the problem, encoded)."""
+        if data_iterator is None:
+            return record(Problem.PACKED_NO_ITERATOR), {}
         try:
-            packed = next(data_iterator) if data_iterator is not None else None
+            packed = next(data_iterator)
         except StopIteration:
             packed = None
         if packed is None:

@@ -111,6 +111,8 @@ class Problem(enum.IntEnum):
     SETTINGS_MISMATCH = 29
     CONFIG_REFUSED = 30
     NOT_PER_STAGE = 31
+    PACKED_NO_ITERATOR = 32
+    PACKED_RAW_ITERATOR = 33
 
 
 class TensorKind(enum.IntEnum):
@@ -416,6 +418,17 @@ def describe(record: Sequence[int]) -> str:
         return (
             f"the packed microbatch has no {_key(a)!r}; pass the iterator returned by "
             "wrap_data_iterator_for_global_batch_packing to get_batch_for_global_batch_packing"
+        )
+    if problem is Problem.PACKED_NO_ITERATOR:
+        return (
+            "get_batch_for_global_batch_packing got data_iterator=None on TP rank 0, where "
+            "wrap_data_iterator_for_global_batch_packing returned the packed iterator; pass that iterator"
+        )
+    if problem is Problem.PACKED_RAW_ITERATOR:
+        return (
+            "get_batch_for_global_batch_packing got the sample iterator that "
+            "wrap_data_iterator_for_global_batch_packing consumed, not the packed iterator it returned; pass the "
+            "returned one (packed_iterator)"
         )
     if problem is Problem.PACKED_NOT_A_DICT:
         return (
