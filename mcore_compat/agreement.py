@@ -60,10 +60,11 @@ __all__ = [
     "decide",
     "digest",
     "fail_together",
+    "global_totals",
     "microbatch_count",
 ]
 
-_FIELDS = ("num_microbatches", "loads", "dp_rank", "cp_rank", "pp_rank", "tp_rank", "count", "digest")
+_FIELDS = ("num_microbatches", "loads", "dp_rank", "cp_rank", "pp_rank", "tp_rank", "count", "digest", "tokens")
 ROW_WIDTH = VERDICT_WIDTH + len(_FIELDS) + len(SETTINGS_FIELDS)
 _DIGEST_MASK = (1 << 62) - 1
 
@@ -85,6 +86,8 @@ class Row:
     count: int
     digest: int
     settings: Sequence[int] = ()
+    tokens: int = 0
+    """The padded tokens of this rank's sequences."""
 
     def words(self) -> list[int]:
         return [*self.verdict, *(int(getattr(self, name)) for name in _FIELDS), *self.settings]
@@ -189,6 +192,26 @@ def all_agree(table: torch.Tensor) -> bool:
     return not bool(siblings_differ.any())
 
 
+def global_totals(table: torch.Tensor) -> tuple[int, int]:
+    """The sequences and padded tokens of the global batch, from the gathered rows: one loading row per DP rank
+    counts them (CP siblings and other loading pipeline stages hold the same ones)."""
+    rows = table.numpy()
+    loading = rows[rows[:, _column("loads")] != 0]
+    if not len(loading):
+        return 0, 0
+    pp = loading[:, _column("pp_rank")]
+    counted = loading[(loading[:, _column("cp_rank")] == 0) & (pp == pp.min())]
+    return int(counted[:, _column("count")].sum()), int(counted[:, _column("tokens")].sum())
+
+
+def _enough_sequences(table: torch.Tensor, multiple: int, capacity: int) -> list[int]:
+    """OK, or ``TOO_FEW_SAMPLES`` when the step surely has fewer sequences than the bins it needs: at least
+    ``tokens / capacity`` bins, rounded up to a multiple of ``multiple``."""
+    sequences, tokens = global_totals(table)
+    needed = -(-max(1, -(-tokens // capacity)) // multiple) * multiple
+    return list(OK) if sequences >= needed else record(Problem.TOO_FEW_SAMPLES, a=sequences, b=-1, c=needed)
+
+
 def _device() -> torch.device:
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -211,11 +234,15 @@ def agree(
     pg_collection: Any,
     model_config: Any,
     refused: PackingError | None = None,
+    bins: tuple[int, int] | None = None,
 ) -> int:
     """Join the step's agreement (``batch`` on data-loading ranks, None elsewhere); raise on every rank if bad.
 
     ``refused`` is the error this rank's own checks of its settings raised (see :func:`fail_together`).
-    Returns the agreed ``num_microbatches`` (a positive int, the same on every rank).
+    ``bins``: ``(multiple, capacity)`` where the scheduler rounds its bin count up to a multiple of ``multiple``
+    with one sequence or more per bin, each holding at most ``capacity`` padded tokens: a step with fewer sequences
+    than that many bins at the least is ``TOO_FEW_SAMPLES`` on every rank. Returns the agreed ``num_microbatches``
+    (a positive int, the same on every rank).
     """
     dp_rank = _group_rank(pg_collection, "dp")
     verdict = list(OK) if batch is None else batch.verdict
@@ -233,6 +260,7 @@ def agree(
         0 if batch is None else len(batch.samples),
         digest(batch),
         settings_words(model_config),
+        0 if batch is None else sum(s.padded for s in batch.samples),
     )
     words = row.words()
     if _distributed():
@@ -243,6 +271,8 @@ def agree(
     else:
         table = torch.tensor([words], dtype=torch.int64)
     outcome = list(OK) if all_agree(table) else decide([Row.from_words(w) for w in table.tolist()])
+    if outcome == OK and bins is not None:
+        outcome = _enough_sequences(table, *bins)
     if outcome[0] == Problem.CONFIG_REFUSED:
         raise _shared_refusal(outcome, refused, len(table)) from refused
     own = batch is not None and list(batch.verdict) == outcome

@@ -24,6 +24,7 @@ __all__ = [
     "PG_GROUPS",
     "SWITCHES",
     "THD_TAIL_POLICIES",
+    "check_dynamic_cp_microbatch_group",
     "check_min_dynamic_cp_size",
     "check_settings",
     "check_switches",
@@ -178,6 +179,25 @@ def check_virtual_stages(model_config: Any) -> None:
         )
 
 
+def check_dynamic_cp_microbatch_group(model_config: Any) -> None:
+    """Under dynamic CP (no virtual stages: ``virtual_pipeline_model_parallel_size`` None or 1),
+    ``microbatch_group_size_per_vp_stage`` is None or 1.
+
+    Megatron-Core's dynamic-CP scheduler aligns its group count to it whenever virtual stages are set at all,
+    even to 1, and fails an assertion in a step whose groups cannot be split that far.
+    """
+    if getattr(model_config, "virtual_pipeline_model_parallel_size", None) is None:
+        return
+    group = getattr(model_config, "microbatch_group_size_per_vp_stage", None)
+    if group is not None and group != 1:
+        raise PackingConfigError(
+            f"model_config.microbatch_group_size_per_vp_stage={group!r} with dynamic context parallelism: it groups "
+            "microbatches for virtual pipeline stages, which dynamic CP runs without, yet Megatron-Core's dynamic-CP "
+            "scheduler aligns to it and fails for steps it cannot split; set it to None or 1 (or "
+            "virtual_pipeline_model_parallel_size=None)"
+        )
+
+
 def virtual_stages(model_config: Any) -> int | None:
     """The number of virtual pipeline stages per pipeline rank when there are several, else None
     (after :func:`check_virtual_stages`)."""
@@ -196,6 +216,7 @@ def check_settings(model_config: Any, pool: int, dynamic_cp: bool) -> None:
     check_virtual_stages(model_config)
     if dynamic_cp:
         check_min_dynamic_cp_size(model_config, pool)
+        check_dynamic_cp_microbatch_group(model_config)
     max_seqlen_per_dp_cp_rank(model_config)
     check_thd_settings(model_config)
 

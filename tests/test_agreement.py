@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mcore_compat.agreement import ROW_WIDTH, Row, agree, all_agree, decide, fail_together
+from mcore_compat.agreement import ROW_WIDTH, Row, agree, all_agree, decide, fail_together, global_totals
 from mcore_compat.errors import PackingConfigError, UnsupportedPinError
 from mcore_compat.portable.errors import OK, REFUSAL_KINDS, SETTINGS_FIELDS, Problem, record
 
@@ -102,6 +102,17 @@ def test_cp_siblings_fed_different_lengths_are_not_all_agreed() -> None:
     siblings = [_row(0), Row(list(OK), 4, 1, 0, 1, 0, 0, 3, 11, [7] * len(SETTINGS_FIELDS)), _row(1)]
     assert decide(siblings)[0] == Problem.CP_MISMATCH
     assert not all_agree(torch.tensor([row.words() for row in siblings]))
+
+
+def _loading(dp: int, cp: int, count: int, tokens: int, loads: int = 1) -> Row:
+    return Row(list(OK), 4, loads, dp, cp, 0, 0, count, 11, [7] * len(SETTINGS_FIELDS), tokens)
+
+
+def test_global_totals_count_each_dp_rank_once() -> None:
+    """CP siblings hold the same sequences, ranks that load nothing hold none."""
+    rows = [_loading(0, 0, 3, 30), _loading(0, 1, 3, 30), _loading(1, 0, 2, 50), _loading(1, 1, 2, 50)]
+    rows.append(_loading(0, 0, 9, 99, loads=0))
+    assert global_totals(torch.tensor([row.words() for row in rows])) == (5, 80)
 
 
 def test_rows_round_trip_through_words() -> None:

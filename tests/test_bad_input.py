@@ -18,6 +18,11 @@ pytestmark = pytest.mark.skipif(NO_MCORE is not None, reason=NO_MCORE or "")
 
 LAYOUTS = (Layout(1, 2, 2), Layout(1, 1, 4), Layout(2, 1, 2))
 BASE = {"num_microbatches": 4, "max_seqlen_per_dp_cp_rank": 32}
+_VPP_GROUP = ("virtual_pipeline_model_parallel_size", 1), ("microbatch_group_size_per_vp_stage", 4)
+VPP_4 = _VPP_GROUP
+VPP_3 = (_VPP_GROUP[0], ("microbatch_group_size_per_vp_stage", 3))
+"""One virtual stage (no list of iterators needed) with a microbatch group: Megatron-Core still rounds its bins
+up to a multiple of DP x the group."""
 TP_1 = ("1x2x2", "1x1x4")
 """Layouts where every rank is a TP rank 0: a fetch given the wrong iterator is seen on every rank (with TP > 1
 Megatron-Core's other TP ranks cannot tell, and wait in its broadcast; the portable backend raises on all)."""
@@ -290,6 +295,22 @@ CASES: list[tuple[BadInput, str, tuple[str, ...]]] = [
         ),
         CONFIG,
         ("microbatch_group_size_per_vp_stage=0", "positive int"),
+    ),
+    (
+        BadInput("fewer samples than the VPP microbatch group's bins", num_microbatches=1, dp_rank=None, config=VPP_4),
+        BAD,
+        ("the global batch has", "use more samples per step"),
+    ),
+    (
+        BadInput("long samples, too few for the VPP group's bins", "at_capacity", index=-1, dp_rank=None, config=VPP_3),
+        BAD,
+        ("the global batch has", "use more samples per step"),
+    ),
+    (BadInput("enough samples for the VPP microbatch group", dp_rank=None, config=VPP_4), "ok", ()),
+    (
+        BadInput("VPP microbatch group under dynamic CP", dp_rank=None, dynamic_cp=True, config=VPP_4),
+        CONFIG,
+        ("microbatch_group_size_per_vp_stage=4 with dynamic context parallelism", "None or 1"),
     ),
     (BadInput("num_microbatches -1 on one rank", num_microbatches=-1), CONFIG, ("num_microbatches=-1", "DP rank 1")),
     (BadInput("num_microbatches True on one rank", num_microbatches=True), CONFIG, ("not an int", "DP rank 1")),

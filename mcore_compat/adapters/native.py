@@ -163,7 +163,13 @@ class NativeSchedulerAdapter(PackingAdapter):
                 source, position, verdict = stage_source(data_iterator, runtime.virtual_stages(model_config), dp_rank)
                 pulls = max(microbatch_count(num_microbatches), 0)  # a bad count is rejected in the agreement
                 batch = read_step(source, pulls, dp_rank, limits) if verdict == OK else LocalBatch([], verdict)
-            agree(batch, num_microbatches, pg_collection, model_config)
+            agree(
+                batch,
+                num_microbatches,
+                pg_collection,
+                model_config,
+                bins=self._bins(model_config, pg_collection, limits),
+            )
         iterator: Any
         if batch is None:
             iterator = no_data(model_config)
@@ -181,6 +187,7 @@ class NativeSchedulerAdapter(PackingAdapter):
         dynamic_cp = self.dynamic_cp_enabled(model_config)
         if dynamic_cp:
             runtime.check_min_dynamic_cp_size(model_config, pg_collection.dp_cp.size())
+            runtime.check_dynamic_cp_microbatch_group(model_config)
         self.require_runnable(model_config)
         return runtime.step_limits(model_config, pg_collection, dynamic_cp)
 
@@ -196,6 +203,16 @@ class NativeSchedulerAdapter(PackingAdapter):
         if self.facts.pipeline_data_stages == "every":
             fields += _EVERY_STAGE_FIELDS
         runtime.require_fields(model_config, fields, f"Megatron-Core's {self.facts.id} scheduler")
+
+    def _bins(self, model_config: Any, pg_collection: Any, limits: Limits) -> tuple[int, int] | None:
+        """How Megatron-Core's static-CP dp_balanced sizes its bins, where a step can have too few sequences for
+        them: with virtual stages set it rounds the bin count up to a multiple of DP x
+        ``microbatch_group_size_per_vp_stage``, one sequence or more per bin, and fails an assertion on the
+        scheduling ranks when it cannot (the other TP ranks then wait in its broadcast)."""
+        if self.dynamic_cp_enabled(model_config) or model_config.virtual_pipeline_model_parallel_size is None:
+            return None
+        group = getattr(model_config, "microbatch_group_size_per_vp_stage", None) or 1
+        return int(pg_collection.dp.size()) * int(group), int(limits.capacity or 1)
 
     def _sample_forms(self) -> tuple[str, ...]:
         return self.facts.sample_forms or SAMPLE_FORMS

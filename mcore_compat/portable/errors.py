@@ -398,6 +398,12 @@ def describe(record: Sequence[int]) -> str:
             "context-parallel size, x the data-parallel size with dynamic CP); truncate the sample or raise "
             "max_seqlen_per_dp_cp_rank"
         )
+    if problem is Problem.TOO_FEW_SAMPLES and b < 0:
+        return (
+            f"the global batch has {a} sequences, but Megatron-Core's dp_balanced needs at least {c} bins of one "
+            "sequence or more (data-parallel size x microbatch_group_size_per_vp_stage); use more samples per step "
+            "(num_microbatches) or a smaller microbatch_group_size_per_vp_stage"
+        )
     if problem is Problem.TOO_FEW_SAMPLES:
         return (
             f"the global batch has {a} samples packed into {b} bins, but dp_balanced needs the bin count to be "
