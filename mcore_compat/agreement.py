@@ -129,8 +129,7 @@ def decide(rows: Sequence[Row]) -> list[int]:
     below 1 or not an int; ranks passing different ``num_microbatches``; ranks reading different packing
     settings from their model config; the data running out on every loading rank
     (:func:`~mcore_compat.portable.errors.ran_out`: ``StopIteration`` when it ended between steps); the first
-    loading rank's problem; CP siblings (same PP stage
-    and DP rank) that were fed different lengths.
+    loading rank's problem; CP siblings (same PP stage and DP rank) that were fed different lengths.
     """
     refusing = [(rank, row) for rank, row in enumerate(rows) if row.verdict[0] == Problem.CONFIG_REFUSED]
     if refusing:
@@ -208,6 +207,8 @@ def _enough_sequences(table: torch.Tensor, multiple: int, capacity: int) -> list
     """OK, or ``TOO_FEW_SAMPLES`` when the step surely has fewer sequences than the bins it needs: at least
     ``tokens / capacity`` bins, rounded up to a multiple of ``multiple``."""
     sequences, tokens = global_totals(table)
+    if not sequences:
+        return list(OK)  # no rank loads data in this table: nothing to judge
     needed = -(-max(1, -(-tokens // capacity)) // multiple) * multiple
     return list(OK) if sequences >= needed else record(Problem.TOO_FEW_SAMPLES, a=sequences, b=-1, c=needed)
 
@@ -271,7 +272,7 @@ def agree(
     else:
         table = torch.tensor([words], dtype=torch.int64)
     outcome = list(OK) if all_agree(table) else decide([Row.from_words(w) for w in table.tolist()])
-    if outcome == OK and bins is not None:
+    if outcome == OK and bins is not None and _distributed():  # only the gathered table holds every DP rank
         outcome = _enough_sequences(table, *bins)
     if outcome[0] == Problem.CONFIG_REFUSED:
         raise _shared_refusal(outcome, refused, len(table)) from refused
