@@ -21,6 +21,7 @@ BASE = {"num_microbatches": 4, "max_seqlen_per_dp_cp_rank": 32}
 _VPP_GROUP = ("virtual_pipeline_model_parallel_size", 1), ("microbatch_group_size_per_vp_stage", 4)
 VPP_4 = _VPP_GROUP
 VPP_3 = (_VPP_GROUP[0], ("microbatch_group_size_per_vp_stage", 3))
+VPP_1 = (_VPP_GROUP[0], ("microbatch_group_size_per_vp_stage", 1))
 """One virtual stage (no list of iterators needed) with a microbatch group: Megatron-Core still rounds its bins
 up to a multiple of DP x the group."""
 TP_1 = ("1x2x2", "1x1x4")
@@ -306,7 +307,7 @@ CASES: list[tuple[BadInput, str, tuple[str, ...]]] = [
         BAD,
         ("the global batch has", "use more samples per step"),
     ),
-    (BadInput("enough samples for the VPP microbatch group", dp_rank=None, config=VPP_4), "ok", ()),
+    (BadInput("one virtual stage, microbatch group 1", dp_rank=None, config=VPP_1), "ok", ()),
     (
         BadInput("VPP microbatch group under dynamic CP", dp_rank=None, dynamic_cp=True, config=VPP_4),
         CONFIG,
