@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mcore_compat.capabilities import Capabilities
-from mcore_compat.errors import PackingConfigError
+from mcore_compat.errors import PackingConfigError, UnsupportedPinError
 
 __all__ = [
     "DYNAMIC_SCHEDULER",
@@ -74,10 +74,13 @@ def dynamic_cp_initialize_keywords(capabilities: Capabilities, min_size: int = 1
 
     Read from the pin's ``initialize_model_parallel`` signature: ``dynamic_context_parallel=True``
     (plus ``min_dynamic_context_parallel_size=min_size`` where it takes one), else
-    ``hybrid_context_parallel=True``. Raises ``ValueError`` on pins without such groups.
+    ``hybrid_context_parallel=True``. Raises ``PackingConfigError`` for a ``min_size`` that is not a power of
+    two, ``UnsupportedPinError`` on pins without such groups (both ``ValueError``).
     """
     if not _positive_int(min_size) or not _power_of_two(min_size):
-        raise ValueError(f"min_size={min_size!r}: use a power of two (1, 2, 4, ...) no larger than DP x CP")
+        raise PackingConfigError(
+            f"min_size={min_size!r}: use a power of two (1, 2, 4, ...) no larger than DP x CP, as an int"
+        )
     accepted = capabilities.init_cp_keywords
     if "dynamic_context_parallel" in accepted:
         keywords: dict[str, Any] = {"dynamic_context_parallel": True}
@@ -86,7 +89,7 @@ def dynamic_cp_initialize_keywords(capabilities: Capabilities, min_size: int = 1
         return keywords
     if "hybrid_context_parallel" in accepted:
         return {"hybrid_context_parallel": True}
-    raise ValueError(
+    raise UnsupportedPinError(
         f"parallel_state.{_INIT} of {capabilities.describe()} takes no dynamic or hybrid context-parallel keyword, "
         "so it cannot create DP x CP sub-groups; dynamic context parallelism needs megatron-core 0.16.1 or later"
     )
@@ -95,7 +98,7 @@ def dynamic_cp_initialize_keywords(capabilities: Capabilities, min_size: int = 1
 def _getter(capabilities: Capabilities) -> Callable[..., Any]:
     name = capabilities.dynamic_cp_group_getter
     if name is None:
-        raise ValueError(f"{capabilities.describe()} has no DP x CP sub-group getter in parallel_state")
+        raise UnsupportedPinError(f"{capabilities.describe()} has no DP x CP sub-group getter in parallel_state")
     getter: Callable[..., Any] = getattr(importlib.import_module("megatron.core.parallel_state"), name)
     return getter
 

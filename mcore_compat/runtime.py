@@ -31,6 +31,7 @@ __all__ = [
     "check_thd_settings",
     "check_virtual_stages",
     "max_seqlen_per_dp_cp_rank",
+    "probe_arguments",
     "require_fields",
     "require_groups",
     "require_pg_collection",
@@ -73,6 +74,24 @@ def scheduler_name(model_config: Any, known: tuple[str, ...] = ()) -> str:
             f"{hint}use one of {list(known)}, spelt exactly"
         )
     return value
+
+
+def probe_arguments(scheduler: Any, dynamic_cp: Any) -> tuple[str, bool] | str:
+    """The probe's arguments as a scheduler name and a switch (a ``str`` enum member gives its value), or why
+    they are neither: the probe answers for them as the runtime would read the config fields they stand for."""
+    if isinstance(scheduler, enum.Enum) and isinstance(scheduler.value, str):
+        scheduler = scheduler.value
+    if not isinstance(scheduler, str):
+        return (
+            f"sequence_packing_scheduler={scheduler!r} is not a scheduler name; pass a string such as "
+            "'dp_balanced' (or 'default_dynamic_cp' with dynamic context parallelism)"
+        )
+    if not isinstance(dynamic_cp, bool):
+        return (
+            f"dynamic_cp={dynamic_cp!r} is not a switch; pass True or False (a bool, as "
+            "model_config.dynamic_context_parallel must be: values such as 1 or 'yes' are refused at run time)"
+        )
+    return scheduler, dynamic_cp
 
 
 SWITCHES = ("dynamic_context_parallel", "hybrid_context_parallel", "sequence_parallel")

@@ -119,7 +119,8 @@ def dynamic_cp_initialize_keywords(min_size: int = 1) -> dict[str, Any]:
 
     Read from the installed Megatron-Core's signature: ``{"dynamic_context_parallel": True,
     "min_dynamic_context_parallel_size": min_size}`` on dev, ``{"hybrid_context_parallel": True}`` on
-    releases 0.16.1-0.19.2 and main. Raises ``ValueError`` on pins without such groups (0.13-0.15).
+    releases 0.16.1-0.19.2 and main. Raises ``UnsupportedPinError`` on pins without such groups (0.13-0.15),
+    ``PackingConfigError`` for a ``min_size`` that is not a power of two (both ``ValueError``).
     Where the model config has no ``dynamic_context_parallel`` field (releases, main), set it after
     construction: ``config.dynamic_context_parallel = True`` (with ``min_dynamic_context_parallel_size``
     and ``sequence_packing_scheduler = "default_dynamic_cp"``); keep ``config.hybrid_context_parallel`` False.
@@ -135,9 +136,13 @@ def probe_global_batch_packing_support(scheduler: str, *, dynamic_cp: bool = Fal
     Probing the registered schedulers and the entry-point signatures lets validation fail with an actionable
     message instead of a ``KeyError`` or ``TypeError`` at the first step; ``dynamic_cp`` also requires the
     packed fetch to accept the dynamic-CP arguments. Unlike Bridge, a release without Megatron-Core's
-    scheduler is not refused ``dp_balanced``: the portable backend runs it.
+    scheduler is not refused ``dp_balanced``: the portable backend runs it. A ``scheduler`` that is not a
+    string (a ``str`` enum member is one) or a ``dynamic_cp`` that is not a bool is answered with why.
     """
-    return adapter().probe(scheduler, dynamic_cp=dynamic_cp)
+    arguments = runtime.probe_arguments(scheduler, dynamic_cp)
+    if isinstance(arguments, str):
+        return arguments
+    return adapter().probe(arguments[0], dynamic_cp=arguments[1])
 
 
 def _iterator_for_tp_rank(data_iterator: Any, pg_collection: ProcessGroupCollectionLike) -> Any:

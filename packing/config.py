@@ -229,7 +229,7 @@ def _check_thd_loss_mode(cfg: Any, layout: _Layout) -> None:
 def _check_unsupported_features(cfg: Any) -> None:
     for field, feature, off in _UNSUPPORTED_FEATURES:
         value = _get(cfg, field)
-        if value not in (None, False):
+        if value is not None and value is not off:  # 0 is not False here: the runtime reads it as set
             raise _invalid(field, value, f"global-batch packing does not support {feature}; set {field}={off!r}")
 
 

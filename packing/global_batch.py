@@ -12,7 +12,7 @@ each with these keys:
 - ``original_seq_len`` int32   [1]  the real length
 - ``padded_seq_len``   int32   [1]  ``L``, a multiple of :func:`alignment_multiple`
 
-Only torch is needed here; nothing in this module touches Megatron-Core.
+Only torch (and numpy, for its integer types) is needed here; nothing in this module touches Megatron-Core.
 :func:`validate_unpacked_sample` checks what the builder makes (exact dtypes and shapes); the
 facade's per-step check also takes any integer dtype for the two lengths and pre-packed samples.
 """
@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from mcore_compat.contract import LENGTH_KEYS, REQUIRED_SAMPLE_KEYS, SAMPLE_DTYPES, TOKEN_KEYS, alignment_multiple
@@ -47,18 +48,35 @@ _BUILD_HINT = "build samples with packing.global_batch.build_unpacked_sequence_s
 
 
 def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise PackingConfigError(f"{name}={value!r}: pass a positive int")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < 2**31:
+        raise PackingConfigError(f"{name}={value!r}: pass a positive int (below 2**31: lengths are int32)")
     return value
 
 
 def _as_1d(name: str, values: Sequence[Any] | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    tensor = torch.as_tensor(values)
+    try:
+        tensor = torch.as_tensor(values)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
+        raise BadSampleError(
+            f"{name}={values!r:.60} is not a sequence of numbers ({exc}): pass one sequence as a 1-D list or tensor"
+        ) from exc
     if tensor.dim() != 1:
         raise BadSampleError(f"{name} has shape {tuple(tensor.shape)}: pass one sequence as a 1-D list or tensor")
-    if dtype == torch.int64 and tensor.numel() and (tensor.is_floating_point() or tensor.dtype == torch.bool):
-        raise BadSampleError(f"{name} has dtype {tensor.dtype}: pass integer token ids")
+    if tensor.is_complex() or (
+        dtype == torch.int64 and tensor.numel() and (tensor.is_floating_point() or tensor.dtype == torch.bool)
+    ):
+        what = "integer token ids" if dtype == torch.int64 else "real numbers"
+        raise BadSampleError(f"{name} has dtype {tensor.dtype}: pass {what}")
     return tensor.to(dtype)
+
+
+def _token_id(name: str, value: Any, *, allow_negative: bool) -> int:
+    """An int64 id to pad with: a Python or numpy integer (not a bool), non-negative where it is embedded."""
+    lowest = -(2**63) if allow_negative else 0
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or not lowest <= value < 2**63:
+        kind = "an int64 id" if allow_negative else "a non-negative int64 token id (it is embedded)"
+        raise PackingConfigError(f"{name}={value!r:.60}: pass {kind}")
+    return int(value)
 
 
 def build_unpacked_sequence_sample(
@@ -76,6 +94,10 @@ def build_unpacked_sequence_sample(
     None) and ``loss_mask`` with 0; ``position_ids`` run ``0 .. L-1`` over the padded length.
     """
     multiple = _positive_int("pad_to_multiple_of", pad_to_multiple_of)
+    pad_id = _token_id("pad_token_id", pad_token_id, allow_negative=False)
+    label_pad = pad_id
+    if ignore_label_id is not None:
+        label_pad = _token_id("ignore_label_id", ignore_label_id, allow_negative=True)
     tokens_t = _as_1d("tokens", tokens, torch.int64)
     labels_t = _as_1d("labels", labels, torch.int64)
     mask_t = _as_1d("loss_mask", loss_mask, torch.float32)
@@ -87,12 +109,17 @@ def build_unpacked_sequence_sample(
             f"len(tokens)={length}, len(labels)={labels_t.numel()}, len(loss_mask)={mask_t.numel()}: "
             "pass labels and loss_mask aligned one-to-one with tokens"
         )
+    if bool((tokens_t < 0).any()):
+        at = int(torch.nonzero(tokens_t < 0)[0, 0])
+        raise BadSampleError(
+            f"tokens[{at}]={int(tokens_t[at])}: token ids index the embedding, so pass non-negative ids "
+            "(mark ignored positions in labels/loss_mask, not in tokens)"
+        )
     padded = -(-length // multiple) * multiple
     pad = padded - length
-    label_pad = pad_token_id if ignore_label_id is None else ignore_label_id
     device = tokens_t.device
     return {
-        "tokens": torch.cat([tokens_t, torch.full((pad,), pad_token_id, dtype=torch.int64, device=device)]),
+        "tokens": torch.cat([tokens_t, torch.full((pad,), pad_id, dtype=torch.int64, device=device)]),
         "labels": torch.cat([labels_t, torch.full((pad,), label_pad, dtype=torch.int64, device=device)]),
         "loss_mask": torch.cat([mask_t, torch.zeros(pad, dtype=torch.float32, device=device)]),
         "position_ids": torch.arange(padded, dtype=torch.int64, device=device),
@@ -168,8 +195,15 @@ def fold_alignment_padding(sample: Mapping[str, Any]) -> UnpackedSample:
     Packed bins then carry no padding between sequences (FlashAttention needs this at head_dim 256,
     e.g. Qwen3.5); the padding keeps ``loss_mask`` 0, so it adds no loss.
     """
+    if not isinstance(sample, Mapping):
+        raise BadSampleError(f"sample is a {type(sample).__name__}: fold one sample dict at a time; {_BUILD_HINT}")
     if "padded_seq_len" not in sample:
         raise BadSampleError(f"sample has no 'padded_seq_len': fold only contract samples; {_BUILD_HINT}")
+    if not isinstance(sample["padded_seq_len"], torch.Tensor):
+        raise BadSampleError(
+            f"sample['padded_seq_len'] is a {type(sample['padded_seq_len']).__name__}: make it a torch.Tensor; "
+            f"{_BUILD_HINT}"
+        )
     folded = dict(sample)
     folded["original_seq_len"] = sample["padded_seq_len"].clone()
     return folded
@@ -177,6 +211,11 @@ def fold_alignment_padding(sample: Mapping[str, Any]) -> UnpackedSample:
 
 def identity_collate(batch: Sequence[Any]) -> list[Any]:
     """Return the loader's samples unstacked, as the list of dicts the scheduler expects."""
+    if not isinstance(batch, (list, tuple)):
+        raise BadSampleError(
+            f"the collate got a {type(batch).__name__}: it takes the loader's list of samples (use it as a "
+            "DataLoader's collate_fn)"
+        )
     return list(batch)
 
 
@@ -186,6 +225,6 @@ def make_unpacked_collate(fold_padding: bool) -> Callable[[Sequence[Mapping[str,
         return identity_collate
 
     def collate(batch: Sequence[Mapping[str, Any]]) -> list[Any]:
-        return [fold_alignment_padding(sample) for sample in batch]
+        return [fold_alignment_padding(sample) for sample in identity_collate(batch)]
 
     return collate

@@ -304,6 +304,21 @@ BAD = [
         ["model.virtual_pipeline_model_parallel_size=2", "set model.virtual_pipeline_model_parallel_size=None"],
     ),
     (
+        "virtual-pipeline-zero",  # 0 == False, but the runtime refuses it: validation must not pass it
+        {"model.virtual_pipeline_model_parallel_size": 0},
+        ["model.virtual_pipeline_model_parallel_size=0", "set model.virtual_pipeline_model_parallel_size=None"],
+    ),
+    (
+        "virtual-pipeline-false",
+        {"model.virtual_pipeline_model_parallel_size": False},
+        ["model.virtual_pipeline_model_parallel_size=False", "set model.virtual_pipeline_model_parallel_size=None"],
+    ),
+    (
+        "mamba-hybrid-int",
+        {"model.is_hybrid_model": 0},
+        ["model.is_hybrid_model=0", "set it to True or False"],
+    ),
+    (
         "mamba-hybrid",
         {"model.is_hybrid_model": True},
         ["model.is_hybrid_model=True", "set model.is_hybrid_model=False"],

@@ -8,10 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from mcore_compat.errors import BadSampleError, PackingConfigError
 from packing.global_batch import (
     REQUIRED_SAMPLE_KEYS,
     SAMPLE_DTYPES,
@@ -137,6 +139,13 @@ BAD_BUILD = [
     ([1, 2], [0.5, 1.0], [1, 1], 4, ["labels has dtype torch.float32", "integer token ids"]),
     ([1, 2], [1, 2], [1, 1], 0, ["pad_to_multiple_of=0", "positive int"]),
     ([1, 2], [1, 2], [1, 1], True, ["pad_to_multiple_of=True", "positive int"]),
+    ([1, 2], [1, 2], [1, 1], 2**40, ["pad_to_multiple_of=1099511627776", "below 2**31"]),
+    ("abc", [1, 2, 3], [1, 1, 1], 4, ["tokens='abc' is not a sequence of numbers", "1-D list or tensor"]),
+    ([1, None], [1, 2], [1, 1], 4, ["tokens=[1, None] is not a sequence of numbers", "1-D list or tensor"]),
+    ([1, 2], None, [1, 1], 4, ["labels=None is not a sequence of numbers", "1-D list or tensor"]),
+    ([1, 2], [1, 2], [10**30, 1], 4, ["loss_mask=[10", "is not a sequence of numbers"]),
+    ([1, 2], [1, 2], [1j, 1], 4, ["loss_mask has dtype torch.complex64", "real numbers"]),
+    ([1, -2, 3], [1, 2, 3], [1, 1, 1], 4, ["tokens[1]=-2", "non-negative ids", "labels/loss_mask"]),
 ]
 
 
@@ -148,6 +157,36 @@ def test_build_rejects_bad_input(
         build_unpacked_sequence_sample(tokens, labels, loss_mask, pad_to_multiple_of=multiple, pad_token_id=0)
     for fragment in fragments:
         assert fragment in str(err.value)
+
+
+BAD_PAD_IDS = [
+    # keyword, value, fragments (the builder pads tokens with pad_token_id and labels with ignore_label_id)
+    ("pad_token_id", None, ["pad_token_id=None", "non-negative int64 token id"]),
+    ("pad_token_id", -1, ["pad_token_id=-1", "non-negative int64 token id (it is embedded)"]),
+    ("pad_token_id", 2.0, ["pad_token_id=2.0", "non-negative int64 token id"]),
+    ("pad_token_id", True, ["pad_token_id=True", "non-negative int64 token id"]),
+    ("pad_token_id", "0", ["pad_token_id='0'", "non-negative int64 token id"]),
+    ("pad_token_id", 2**63, ["pad_token_id=9223372036854775808", "int64"]),
+    ("ignore_label_id", float("nan"), ["ignore_label_id=nan", "an int64 id"]),
+    ("ignore_label_id", [1], ["ignore_label_id=[1]", "an int64 id"]),
+]
+
+
+@pytest.mark.parametrize(("keyword", "value", "fragments"), BAD_PAD_IDS)
+def test_build_rejects_bad_pad_ids(keyword: str, value: object, fragments: list[str]) -> None:
+    kwargs = {"pad_token_id": 0, keyword: value}
+    with pytest.raises(PackingConfigError) as err:
+        build_unpacked_sequence_sample([1, 2, 3], [1, 2, 3], [1, 1, 1], pad_to_multiple_of=4, **kwargs)
+    for fragment in fragments:
+        assert fragment in str(err.value)
+
+
+def test_build_takes_numpy_ids_and_negative_label_ids() -> None:
+    built = build_unpacked_sequence_sample(
+        [1, 2, 3], [1, 2, 3], [1, 1, 1], pad_to_multiple_of=4, pad_token_id=np.int64(7), ignore_label_id=-100
+    )
+    assert built["tokens"].tolist() == [1, 2, 3, 7]
+    assert built["labels"].tolist() == [1, 2, 3, -100]
 
 
 # -- validator ----------------------------------------------------------------------------------
@@ -327,6 +366,27 @@ def test_fold_rejects_a_sample_without_padded_length() -> None:
         fold_alignment_padding({"tokens": torch.zeros(4, dtype=torch.int64)})
     assert "sample has no 'padded_seq_len'" in str(err.value)
     assert "build_unpacked_sequence_sample" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("item", "fragments"),
+    [
+        (None, ["sample is a NoneType", "one sample dict at a time"]),
+        ({"padded_seq_len": 8}, ["sample['padded_seq_len'] is a int", "torch.Tensor"]),
+    ],
+)
+def test_fold_rejects_what_is_not_a_sample(item: object, fragments: list[str]) -> None:
+    with pytest.raises(BadSampleError) as err:
+        fold_alignment_padding(item)  # type: ignore[arg-type]
+    for fragment in fragments:
+        assert fragment in str(err.value)
+
+
+@pytest.mark.parametrize("fold", [False, True])
+def test_collates_reject_what_is_not_a_batch(fold: bool) -> None:
+    with pytest.raises(BadSampleError) as err:
+        make_unpacked_collate(fold)(None)  # type: ignore[arg-type]
+    assert "the collate got a NoneType" in str(err.value) and "collate_fn" in str(err.value)
 
 
 def test_identity_collate_keeps_samples_unstacked() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import enum
 import importlib
 import inspect
 import pkgutil
@@ -166,6 +167,33 @@ def test_config_errors():
         packing.wrap_data_iterator_for_global_batch_packing(iter([]), SimpleNamespace(), 4, groups)
     with pytest.raises(packing.PackingConfigError, match="pg_collection=None"):
         packing.get_batch_for_global_batch_packing(iter([]), SimpleNamespace(), pg_collection=None, vp_stage=None)
+
+
+PROBE_ARGUMENTS = [
+    # scheduler, dynamic_cp, what the answer names (the probe answers, it does not raise)
+    (None, False, ["sequence_packing_scheduler=None is not a scheduler name", "'dp_balanced'"]),
+    (1, False, ["sequence_packing_scheduler=1 is not a scheduler name", "pass a string"]),
+    (["dp_balanced"], False, ["sequence_packing_scheduler=['dp_balanced']", "pass a string"]),
+    ("dp_balanced", 1, ["dynamic_cp=1 is not a switch", "True or False"]),
+    ("default_dynamic_cp", "yes", ["dynamic_cp='yes' is not a switch", "True or False"]),
+    ("dp_balanced", None, ["dynamic_cp=None is not a switch", "True or False"]),
+]
+
+
+@pytest.mark.parametrize(("scheduler", "dynamic_cp", "fragments"), PROBE_ARGUMENTS)
+def test_probe_answers_for_arguments_that_are_not_a_name_and_a_switch(scheduler, dynamic_cp, fragments):
+    answer = packing.probe_global_batch_packing_support(scheduler, dynamic_cp=dynamic_cp)
+    assert answer is not None
+    for fragment in fragments:
+        assert fragment in answer
+
+
+def test_probe_reads_an_enum_member_as_its_value():
+    class Scheduler(enum.Enum):  # as main's PackingSchedulerEnum
+        DP_BALANCED = "dp_balanced"
+
+    by_member = packing.probe_global_batch_packing_support(Scheduler.DP_BALANCED)  # type: ignore[arg-type]
+    assert by_member == packing.probe_global_batch_packing_support("dp_balanced")
 
 
 def test_sample_errors():

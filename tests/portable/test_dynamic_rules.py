@@ -38,10 +38,11 @@ def test_initialize_keywords_come_from_the_pins_signature():
     elif "hybrid_context_parallel" in params:
         assert packing.dynamic_cp_initialize_keywords(2) == {"hybrid_context_parallel": True}
     else:
-        with pytest.raises(ValueError, match="no dynamic or hybrid context-parallel keyword"):
+        with pytest.raises(packing.UnsupportedPinError, match="no dynamic or hybrid context-parallel keyword"):
             packing.dynamic_cp_initialize_keywords()
-    with pytest.raises(ValueError, match="min_size=3"):
-        packing.dynamic_cp_initialize_keywords(3)
+    for bad in (3, 0, True, 2.0, "2", None):
+        with pytest.raises(packing.PackingConfigError, match=f"min_size={bad!r}: use a power of two"):
+            packing.dynamic_cp_initialize_keywords(bad)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
