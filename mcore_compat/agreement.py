@@ -53,6 +53,7 @@ from mcore_compat.runtime import settings_words
 
 __all__ = [
     "ROW_WIDTH",
+    "BinRounding",
     "SETUP_ERRORS",
     "Row",
     "agree",
@@ -203,14 +204,31 @@ def global_totals(table: torch.Tensor) -> tuple[int, int]:
     return int(counted[:, _column("count")].sum()), int(counted[:, _column("tokens")].sum())
 
 
-def _enough_sequences(table: torch.Tensor, multiple: int, capacity: int) -> list[int]:
-    """OK, or ``TOO_FEW_SAMPLES`` when the step surely has fewer sequences than the bins it needs: at least
-    ``tokens / capacity`` bins, rounded up to a multiple of ``multiple``."""
+@dataclass(frozen=True)
+class BinRounding:
+    """How a scheduler rounds its bin count: bins of at most ``capacity`` padded tokens, one sequence or more
+    each, packed in order, then split until their count is a multiple of ``multiple`` (only bins of two or
+    more sequences can give one up; the first bin too where ``first_bin_donates``)."""
+
+    multiple: int
+    capacity: int
+    first_bin_donates: bool = True
+
+
+def _enough_sequences(table: torch.Tensor, rounding: BinRounding) -> list[int]:
+    """OK, or ``TOO_FEW_SAMPLES`` when the scheduler surely cannot round its bins: fewer sequences than the
+    ``tokens / capacity`` bins it needs at the least (rounded up to the multiple), or, where the first bin never
+    donates, every token in that one bin while more are needed."""
     sequences, tokens = global_totals(table)
     if not sequences:
         return list(OK)  # no rank loads data in this table: nothing to judge
+    multiple, capacity = rounding.multiple, rounding.capacity
     needed = -(-max(1, -(-tokens // capacity)) // multiple) * multiple
-    return list(OK) if sequences >= needed else record(Problem.TOO_FEW_SAMPLES, a=sequences, b=-1, c=needed)
+    if sequences < needed:
+        return record(Problem.TOO_FEW_SAMPLES, a=sequences, b=-1, c=needed)
+    if not rounding.first_bin_donates and multiple > 1 and tokens <= capacity:
+        return record(Problem.TOO_FEW_SAMPLES, a=sequences, b=-2, c=multiple)
+    return list(OK)
 
 
 def _device() -> torch.device:
@@ -235,14 +253,13 @@ def agree(
     pg_collection: Any,
     model_config: Any,
     refused: PackingError | None = None,
-    bins: tuple[int, int] | None = None,
+    bins: BinRounding | None = None,
 ) -> int:
     """Join the step's agreement (``batch`` on data-loading ranks, None elsewhere); raise on every rank if bad.
 
     ``refused`` is the error this rank's own checks of its settings raised (see :func:`fail_together`).
-    ``bins``: ``(multiple, capacity)`` where the scheduler rounds its bin count up to a multiple of ``multiple``
-    with one sequence or more per bin, each holding at most ``capacity`` padded tokens: a step with fewer sequences
-    than that many bins at the least is ``TOO_FEW_SAMPLES`` on every rank. Returns the agreed ``num_microbatches``
+    ``bins``: how the scheduler rounds its bin count, where a step may have too few sequences for it: a step
+    that surely cannot be rounded is ``TOO_FEW_SAMPLES`` on every rank. Returns the agreed ``num_microbatches``
     (a positive int, the same on every rank).
     """
     dp_rank = _group_rank(pg_collection, "dp")
@@ -273,7 +290,7 @@ def agree(
         table = torch.tensor([words], dtype=torch.int64)
     outcome = list(OK) if all_agree(table) else decide([Row.from_words(w) for w in table.tolist()])
     if outcome == OK and bins is not None and _distributed():  # only the gathered table holds every DP rank
-        outcome = _enough_sequences(table, *bins)
+        outcome = _enough_sequences(table, bins)
     if outcome[0] == Problem.CONFIG_REFUSED:
         raise _shared_refusal(outcome, refused, len(table)) from refused
     own = batch is not None and list(batch.verdict) == outcome

@@ -131,6 +131,10 @@ class Generation:
     (dev from G3 reads it only while ``local_cp_size`` is set)."""
     model_follows_microbatch_cp_group: tuple[ModelComponent, ...] = ()
     """Model components that run on ``packed_seq_params.cp_group`` from the generation's first commit."""
+    dp_balanced_first_bin_donates: bool | None = None
+    """Whether MCore's ``dp_balanced``, rounding its bin count up to a multiple of DP (x the VPP microbatch group),
+    may split sequences off the first bin: dev (``assert i >= 0``) may, main (``assert i > 0``) stops before it and
+    fails the step with "Not enough samples to move" (None: no native scheduler, or an unknown generation)."""
 
     @property
     def native_scheduler(self) -> bool:
@@ -177,6 +181,7 @@ def _dev(
         dynamic_cp_group_getter=_DYNAMIC_GETTER,
         dynamic_cp_schedulers=("default_dynamic_cp",) if dynamic else (),
         model_follows_microbatch_cp_group=follows,
+        dp_balanced_first_bin_donates=True,
     )
 
 
@@ -246,6 +251,7 @@ _ROWS = (
         dynamic_cp_group_getter=_HYBRID_GETTER,
         schedule_diverts_on="hybrid_context_parallel",
         bound_cp_group_switches_attention=True,
+        dp_balanced_first_bin_donates=False,
     ),
     Generation(
         "G2",
@@ -262,6 +268,7 @@ _ROWS = (
         dynamic_cp_group_getter=_HYBRID_GETTER,
         schedule_diverts_on="hybrid_context_parallel",
         bound_cp_group_switches_attention=True,
+        dp_balanced_first_bin_donates=True,
     ),
     Generation(
         "G3",
@@ -278,6 +285,7 @@ _ROWS = (
         dynamic_cp_group_getter=_DYNAMIC_GETTER,
         schedule_diverts_on="dynamic_context_parallel",
         model_follows_microbatch_cp_group=("attention",),
+        dp_balanced_first_bin_donates=True,
     ),
     _dev(
         "G4",

@@ -9,6 +9,7 @@ inside a collective would show up as a timeout of the whole group.
 from __future__ import annotations
 
 import collections
+import functools
 import importlib
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -52,6 +53,8 @@ class BadInput:
     """Groups missing from the ``pg_collection`` that ``wrap`` gets on the ranks ``dp_rank`` names (``"*"``: None)."""
     fetch_from: str = "packed"
     """What the fetches get: the iterator ``wrap`` returned, the ``"raw"`` sample iterator, or ``"none"``."""
+    elsewhere: str | None = None
+    """A :func:`mutate` of every item ``mutation`` leaves alone, on every rank (e.g. all samples at capacity)."""
 
 
 def _per_token(sample: dict, fn: Callable[[torch.Tensor], torch.Tensor], keys: Sequence[str]) -> dict:
@@ -139,6 +142,8 @@ def mutate(name: str, item: Any, capacity: int, align: int) -> Any:
         "prepacked": lambda: prepack([s]),
         "oversize": lambda: _oversize(s, capacity + align),
         "at_capacity": lambda: _oversize(s, capacity),
+        "shortest": lambda: _oversize(s, align),
+        "two_at_capacity": lambda: [_oversize(s, capacity), _oversize(s, capacity)],
         "no_original": lambda: {k: v for k, v in s.items() if k != "original_seq_len"},
         "misaligned": lambda: _oversize(s, capacity - 1),
         "loss_mask_requires_grad": lambda: _per_token(s, lambda v: v.clone().requires_grad_(), ("loss_mask",)),
@@ -182,13 +187,17 @@ def mutate(name: str, item: Any, capacity: int, align: int) -> Any:
 
 
 class _Mutated(Iterator[Any]):
-    def __init__(self, source: Iterator[Any], index: int, fn: Callable[[Any], Any]) -> None:
-        self._source, self._index, self._fn, self._pulled = source, index, fn, 0
+    def __init__(
+        self, source: Iterator[Any], index: int, fn: Callable[[Any], Any], rest: Callable[[Any], Any] | None = None
+    ) -> None:
+        self._source, self._index, self._fn, self._rest, self._pulled = source, index, fn, rest, 0
 
     def __next__(self) -> Any:
         item = next(self._source)
         self._pulled += 1
-        return self._fn(item) if self._index in (-1, self._pulled - 1) else item
+        if self._index in (-1, self._pulled - 1):
+            return self._fn(item)
+        return item if self._rest is None else self._rest(item)
 
 
 class _Raising(Iterator[Any]):
@@ -212,8 +221,11 @@ def _source(case: Case, bad: BadInput, pg: Any) -> Iterator[Any] | None:
     dp_rank = pg.dp.rank()
     source = case.sample_spec.source(0, dp_rank)
     hit = (bad.dp_rank is None or bad.dp_rank == dp_rank) and (bad.cp_rank is None or bad.cp_rank == pg.cp.rank())
+    capacity = case.max_seqlen_per_dp_cp_rank * case.layout.cp
+    align = case.sample_spec.multiple
+    rest = None if bad.elsewhere is None else functools.partial(mutate, bad.elsewhere, capacity=capacity, align=align)
     if not hit or bad.mutation is None:
-        return source
+        return source if rest is None else _Mutated(source, -2, lambda item: item, rest)
     if bad.mutation == "exhausted":
         return iter([next(source) for _ in range(bad.index)])
     if bad.mutation == "raising":
@@ -227,9 +239,7 @@ def _source(case: Case, bad: BadInput, pg: Any) -> Iterator[Any] | None:
         previous = items[bad.index - 1]
         items[bad.index] = previous if bad.mutation == "aliased" else {k: v.clone() for k, v in previous.items()}
         return iter(items)
-    capacity = case.max_seqlen_per_dp_cp_rank * case.layout.cp
-    align = case.sample_spec.multiple
-    return _Mutated(source, bad.index, lambda item: mutate(bad.mutation, item, capacity, align))  # type: ignore[arg-type]
+    return _Mutated(source, bad.index, lambda item: mutate(bad.mutation, item, capacity, align), rest)  # type: ignore[arg-type]
 
 
 @dataclass

@@ -7,7 +7,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mcore_compat.agreement import ROW_WIDTH, Row, agree, all_agree, decide, fail_together, global_totals
+from mcore_compat.agreement import (
+    ROW_WIDTH,
+    BinRounding,
+    Row,
+    _enough_sequences,
+    agree,
+    all_agree,
+    decide,
+    fail_together,
+    global_totals,
+)
 from mcore_compat.errors import PackingConfigError, UnsupportedPinError
 from mcore_compat.portable.errors import OK, REFUSAL_KINDS, SETTINGS_FIELDS, Problem, record
 
@@ -113,6 +123,27 @@ def test_global_totals_count_each_dp_rank_once() -> None:
     rows = [_loading(0, 0, 3, 30), _loading(0, 1, 3, 30), _loading(1, 0, 2, 50), _loading(1, 1, 2, 50)]
     rows.append(_loading(0, 0, 9, 99, loads=0))
     assert global_totals(torch.tensor([row.words() for row in rows])) == (5, 80)
+
+
+ENOUGH_SEQUENCES = [
+    # per DP rank (sequences, padded tokens), multiple, capacity, first bin donates, the verdict's (a, b, c)
+    ([(1, 8), (1, 8)], 2, 32, True, None),  # one bin of 16 tokens; dev splits it in two
+    ([(1, 8), (1, 8)], 2, 32, False, (2, -2, 2)),  # main never splits its first bin
+    ([(1, 8), (1, 8)], 1, 32, False, None),  # nothing to round
+    ([(2, 64), (1, 32)], 2, 32, True, (3, -1, 4)),  # 96 tokens need 3 bins, rounded to 4: 3 sequences are too few
+    ([(2, 32), (2, 32)], 2, 32, False, None),  # 64 tokens: two bins at least, four sequences can fill four
+    ([(4, 20), (4, 20)], 4, 32, False, None),  # 40 tokens overflow one bin: the bound cannot tell, MCore decides
+]
+
+
+@pytest.mark.parametrize(("ranks", "multiple", "capacity", "donates", "expected"), ENOUGH_SEQUENCES)
+def test_too_few_sequences_for_the_bin_rounding(ranks, multiple, capacity, donates, expected) -> None:
+    table = torch.tensor([_loading(dp, 0, count, tokens).words() for dp, (count, tokens) in enumerate(ranks)])
+    verdict = _enough_sequences(table, BinRounding(multiple, capacity, first_bin_donates=donates))
+    if expected is None:
+        assert verdict == list(OK)
+    else:
+        assert verdict == record(Problem.TOO_FEW_SAMPLES, a=expected[0], b=expected[1], c=expected[2])
 
 
 def test_rows_round_trip_through_words() -> None:

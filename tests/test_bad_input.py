@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from mcore_compat.generations import GENERATIONS
 from mcore_compat.testing import Layout, launch, locate_mcore
 from tests.bad_input_ranks import BadInput, bad_inputs_on_rank
 
@@ -32,6 +33,9 @@ DYNAMIC = (("dynamic_context_parallel", True), ("sequence_packing_scheduler", "d
 
 BAD = "BadSampleError"
 CONFIG = "PackingConfigError"
+FIRST_BIN = "refused where dp_balanced never splits its first bin"
+"""A good step that Megatron-Core's dp_balanced cannot round where its first bin never donates (main): refused
+on every rank (BAD) there; packed everywhere else."""
 
 # (case, expected: BAD / CONFIG / "StopIteration" / "ValueError" / "ok", fragments every message must hold)
 CASES: list[tuple[BadInput, str, tuple[str, ...]]] = [
@@ -309,6 +313,16 @@ CASES: list[tuple[BadInput, str, tuple[str, ...]]] = [
     ),
     (BadInput("one virtual stage, microbatch group 1", dp_rank=None, config=VPP_1), "ok", ()),
     (
+        BadInput("one sequence more than DP can share", "two_at_capacity", index=0, elsewhere="at_capacity"),
+        BAD,
+        ("use more samples per step",),
+    ),
+    (
+        BadInput("every sequence fits one bin", "shortest", index=-1, dp_rank=None, num_microbatches=1),
+        FIRST_BIN,
+        ("all fit in one bin", "never splits its first bin", "use more or longer samples per step"),
+    ),
+    (
         BadInput("VPP microbatch group under dynamic CP", dp_rank=None, dynamic_cp=True, config=VPP_4),
         CONFIG,
         ("microbatch_group_size_per_vp_stage=4 with dynamic context parallelism", "None or 1"),
@@ -362,7 +376,9 @@ def outcomes(request: pytest.FixtureRequest) -> dict:
     for rank_result in per_rank:
         for outcome in rank_result["outcomes"]:
             runs.setdefault(outcome.name, []).append(outcome)
-    return {"layout": str(layout), "backend": per_rank[0]["backend"], "runs": runs}
+    generation = GENERATIONS.get(per_rank[0]["generation"] or "")
+    first_bin_donates = generation is None or generation.dp_balanced_first_bin_donates is not False
+    return {"layout": str(layout), "backend": per_rank[0]["backend"], "runs": runs, "donates": first_bin_donates}
 
 
 @pytest.mark.parametrize(("case", "expected", "fragments"), CASES, ids=[c.name for c, _, _ in CASES])
@@ -376,6 +392,8 @@ def test_every_rank_raises_the_same_clear_error(outcomes: dict, case: BadInput, 
     seen = {(o.kind, o.message) for o in ranks}
     assert len(seen) == 1, f"ranks disagree on {outcomes['backend']}: {seen}"
     ((kind, message),) = seen
+    if expected == FIRST_BIN:
+        expected, fragments = ("ok", ()) if outcomes["donates"] or outcomes["backend"] != "native" else (BAD, fragments)
     if expected == BAD:
         assert all(o.bad_sample_error for o in ranks), (kind, message)
     elif expected == CONFIG:

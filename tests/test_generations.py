@@ -31,6 +31,7 @@ def test_every_row_is_filled_in(row: Generation) -> None:
     assert row.id in RUNS, f"{row.id}: add the real outcome to tests/real_outcomes.py (from tests/test_history.py)"
     assert (row.requires | row.excludes) <= FEATURES.keys()
     assert row.native_scheduler == (row.fetch_arity is not None and row.pipeline_data_stages is not None)
+    assert row.native_scheduler == (row.dp_balanced_first_bin_donates is not None), f"{row.id}: read its dp_balanced"
 
 
 @pytest.mark.parametrize("row", ROWS, ids=[r.id for r in ROWS])

@@ -16,7 +16,7 @@ from mcore_compat.adapters.base import (
     WrapResult,
     per_stage,
 )
-from mcore_compat.agreement import SETUP_ERRORS, agree, fail_together, microbatch_count
+from mcore_compat.agreement import SETUP_ERRORS, BinRounding, agree, fail_together, microbatch_count
 from mcore_compat.capabilities import Capabilities
 
 if TYPE_CHECKING:
@@ -30,11 +30,14 @@ from mcore_compat.contract import (
     read_step,
     stage_source,
 )
+from mcore_compat.errors import PackingError
 from mcore_compat.generations import FETCH_FUNCTION, SCHEDULER_MODULE, WRAP_FUNCTION
 from mcore_compat.portable import SCHEDULERS as PORTABLE_SCHEDULERS
-from mcore_compat.portable.errors import OK, Problem, raise_if_bad, record
+from mcore_compat.portable.errors import OK, PortablePackingError, Problem, raise_if_bad, record
 from mcore_compat.results import SchedulerApi
 
+_NOT_ENOUGH_TO_MOVE = "Not enough samples to move"
+"""The assertion message of Megatron-Core's dp_balanced when it cannot round its bin count (every native row)."""
 _EVERY_STAGE_FIELDS = ("pipeline_model_parallel_layout", "mtp_num_layers")
 """Config fields Megatron-Core's scheduler reads (through ``mtp_on_this_rank``) where every PP stage loads data."""
 
@@ -135,9 +138,15 @@ class NativeSchedulerAdapter(PackingAdapter):
         if self._config_runs_portably(model_config):
             return self._portable().wrap(data_iterator, model_config, num_microbatches, pg_collection)
         iterator = self.checked_iterator(data_iterator, model_config, num_microbatches, pg_collection)
-        packed, count, seqlen_sum, seqlen_squared_sum = self._wrap(
-            iterator, model_config, num_microbatches, pg_collection=pg_collection
-        )
+        try:
+            packed, count, seqlen_sum, seqlen_squared_sum = self._wrap(
+                iterator, model_config, num_microbatches, pg_collection=pg_collection
+            )
+        except AssertionError as exc:
+            error = self.scheduler_failure(exc, model_config, pg_collection)
+            if error is None:
+                raise
+            raise error from exc
         self.expect_fetches(int(count), packed, data_iterator)
         return WrapResult(packed, int(count), float(seqlen_sum), float(seqlen_squared_sum))
 
@@ -180,6 +189,15 @@ class NativeSchedulerAdapter(PackingAdapter):
             iterator = replay if position is None else _replace(data_iterator, position, replay)
         return iterator
 
+    def scheduler_failure(self, exc: AssertionError, model_config: Any, pg_collection: Any) -> PackingError | None:
+        """The packing error for an assertion Megatron-Core's scheduler failed after the agreement, or None (raise
+        it as it is): a bin count dp_balanced could not round (the agreement rules it out only where it surely
+        fails; every scheduling rank fails it alike) is ``TOO_FEW_SAMPLES`` with the fix."""
+        rounding = self._bins(model_config, pg_collection, Limits())
+        if rounding is None or _NOT_ENOUGH_TO_MOVE not in str(exc):
+            return None
+        return PortablePackingError(record(Problem.TOO_FEW_SAMPLES, b=-3, c=rounding.multiple))
+
     def _step_limits(self, model_config: Any, pg_collection: Any) -> Limits:
         """Check this rank's settings as the pin's scheduler will read them; the limits its samples must meet."""
         runtime.require_groups(pg_collection)
@@ -204,15 +222,20 @@ class NativeSchedulerAdapter(PackingAdapter):
             fields += _EVERY_STAGE_FIELDS
         runtime.require_fields(model_config, fields, f"Megatron-Core's {self.facts.id} scheduler")
 
-    def _bins(self, model_config: Any, pg_collection: Any, limits: Limits) -> tuple[int, int] | None:
-        """How Megatron-Core's static-CP dp_balanced sizes its bins, where a step can have too few sequences for
-        them: with virtual stages set it rounds the bin count up to a multiple of DP x
-        ``microbatch_group_size_per_vp_stage``, one sequence or more per bin, and fails an assertion on the
-        scheduling ranks when it cannot (the other TP ranks then wait in its broadcast)."""
-        if self.dynamic_cp_enabled(model_config) or model_config.virtual_pipeline_model_parallel_size is None:
+    def _bins(self, model_config: Any, pg_collection: Any, limits: Limits) -> BinRounding | None:
+        """How Megatron-Core's static-CP dp_balanced rounds its bin count up to a multiple of DP (x
+        ``microbatch_group_size_per_vp_stage`` with virtual stages set), one sequence or more per bin: a step it
+        cannot round fails an assertion on the scheduling ranks (the other TP ranks then wait in its broadcast)."""
+        if self.dynamic_cp_enabled(model_config) or model_config.sequence_packing_scheduler != "dp_balanced":
             return None
-        group = getattr(model_config, "microbatch_group_size_per_vp_stage", None) or 1
-        return int(pg_collection.dp.size()) * int(group), int(limits.capacity or 1)
+        group = 1
+        if model_config.virtual_pipeline_model_parallel_size is not None:
+            group = getattr(model_config, "microbatch_group_size_per_vp_stage", None) or 1
+        multiple = int(pg_collection.dp.size()) * int(group)
+        if multiple == 1:
+            return None
+        donates = self.facts.dp_balanced_first_bin_donates
+        return BinRounding(multiple, int(limits.capacity or 1), first_bin_donates=donates is not False)
 
     def _sample_forms(self) -> tuple[str, ...]:
         return self.facts.sample_forms or SAMPLE_FORMS

@@ -398,6 +398,19 @@ def describe(record: Sequence[int]) -> str:
             "context-parallel size, x the data-parallel size with dynamic CP); truncate the sample or raise "
             "max_seqlen_per_dp_cp_rank"
         )
+    if problem is Problem.TOO_FEW_SAMPLES and b == -3:
+        return (
+            f"Megatron-Core's dp_balanced could not round its bin count up to a multiple of {c} (data-parallel "
+            "size, x microbatch_group_size_per_vp_stage with VPP): too few of its bins hold two or more sequences "
+            "to split off ('Not enough samples to move'); use more samples per step (num_microbatches)"
+        )
+    if problem is Problem.TOO_FEW_SAMPLES and b == -2:
+        return (
+            f"the global batch's {a} sequences all fit in one bin, but Megatron-Core's dp_balanced needs a multiple "
+            f"of {c} bins (data-parallel size, x microbatch_group_size_per_vp_stage with VPP) and this pin never "
+            "splits its first bin (it would fail with 'Not enough samples to move'); use more or longer samples per "
+            "step (num_microbatches), or a smaller data-parallel size for such steps"
+        )
     if problem is Problem.TOO_FEW_SAMPLES and b < 0:
         return (
             f"the global batch has {a} sequences, but Megatron-Core's dp_balanced needs at least {c} bins of one "

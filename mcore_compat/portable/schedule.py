@@ -80,18 +80,20 @@ def first_fit_in_order(lengths: Sequence[int], capacity: int, max_seqs: int | No
     return bins
 
 
-def split_to_multiple(bins: list[list[int]], multiple: int) -> list[list[int]]:
+def split_to_multiple(bins: list[list[int]], multiple: int, *, first_bin_donates: bool = True) -> list[list[int]]:
     """Split trailing samples off the last multi-sample bins until ``len(bins) % multiple == 0``.
 
+    With ``first_bin_donates`` False (Megatron-Core ``main``'s rule) the first bin is never split.
     Raises :class:`PortablePackingError` (``TOO_FEW_SAMPLES``) when there are not enough samples.
     """
     result = [list(b) for b in bins]
     missing = -len(result) % multiple
     donor = len(result) - 1
+    last_donor = 0 if first_bin_donates else 1
     while missing:
-        while donor >= 0 and len(result[donor]) <= 1:
+        while donor >= last_donor and len(result[donor]) <= 1:
             donor -= 1
-        if donor < 0:
+        if donor < last_donor:
             samples = sum(len(b) for b in bins)
             raise PortablePackingError(record(Problem.TOO_FEW_SAMPLES, a=samples, b=len(bins), c=multiple))
         result.append([result[donor].pop()])
@@ -106,12 +108,14 @@ def plan_dp_balanced(
     dp_size: int,
     vpp_group: int | None = None,
     max_seqs: int | None = None,
+    first_bin_donates: bool = True,
 ) -> BinPlan:
-    """Plan one step: bins of global sample ids whose count is a multiple of ``dp_size * (vpp_group or 1)``."""
+    """Plan one step: bins of global sample ids whose count is a multiple of ``dp_size * (vpp_group or 1)``
+    (``first_bin_donates``: see :func:`split_to_multiple`; the portable backend's own plan lets it)."""
     if capacity < 1 or dp_size < 1:
         raise ValueError(f"capacity={capacity} and dp_size={dp_size} must be positive")
     bins = first_fit_in_order(lengths, capacity, max_seqs)
-    bins = split_to_multiple(bins, dp_size * (vpp_group or 1))
+    bins = split_to_multiple(bins, dp_size * (vpp_group or 1), first_bin_donates=first_bin_donates)
     return BinPlan(bins=tuple(tuple(b) for b in bins), dp_size=dp_size)
 
 

@@ -1,7 +1,8 @@
 """Run Megatron-Core's own ``DpBalancedScheduler`` planning on JSON cases (stdin) and print its groups.
 
 Executed in a subprocess with ``PYTHONPATH=$MCORE_SRC`` by ``test_schedule_matches_mcore.py``; each
-case is ``{"lengths", "capacity_per_rank", "cp", "dp", "vpp_group", "max_seqs"}``.
+case is ``{"lengths", "capacity_per_rank", "cp", "dp", "vpp_group", "max_seqs"}``. Also prints what the
+generation table says of this tree's first bin (``dp_balanced_first_bin_donates``).
 """
 
 import inspect
@@ -9,6 +10,8 @@ import json
 import sys
 
 from megatron.core.datasets.data_schedule import BasePackingScheduler, DpBalancedScheduler
+
+from mcore_compat import detect
 
 has_cap = "max_num_seqs" in inspect.signature(BasePackingScheduler.__init__).parameters
 results = []
@@ -24,4 +27,4 @@ for case in json.load(sys.stdin):
         results.append({"error": f"{type(exc).__name__}: {exc}"})
         continue
     results.append({"groups": groups})
-print(json.dumps(results))
+print(json.dumps({"first_bin_donates": detect().facts.dp_balanced_first_bin_donates, "results": results}))

@@ -59,6 +59,26 @@ def test_split_to_multiple(bins, multiple, expected):
 
 
 @pytest.mark.parametrize(
+    ("bins", "multiple", "expected"),
+    [
+        # main's rule: the walk stops before bin 0
+        ([[0, 1], [2, 3], [4, 5]], 2, [[0, 1], [2, 3], [4], [5]]),
+        ([[0, 1, 2], [3, 4]], 3, [[0, 1, 2], [3], [4]]),
+        ([[0, 1]], 2, None),
+        ([[0, 1, 2], [3]], 4, None),
+        ([[0, 1]], 1, [[0, 1]]),
+    ],
+)
+def test_split_to_multiple_where_the_first_bin_never_donates(bins, multiple, expected):
+    if expected is None:
+        with pytest.raises(PortablePackingError) as err:
+            split_to_multiple(bins, multiple, first_bin_donates=False)
+        assert err.value.problem is Problem.TOO_FEW_SAMPLES
+    else:
+        assert split_to_multiple(bins, multiple, first_bin_donates=False) == expected
+
+
+@pytest.mark.parametrize(
     ("bins", "multiple", "samples"),
     [([[0]], 2, 1), ([[0, 1], [2]], 4, 3), ([[0], [1], [2]], 4, 3)],
 )
