@@ -37,6 +37,7 @@ __all__ = [
     "MODEL_COMPONENTS",
     "ModelComponent",
     "PACKING_CONFIG_FIELDS",
+    "SCALARS_BROADCAST_FUNCTION",
     "SCHEDULER_MODULE",
     "SCHEDULER_UTILS_MODULE",
     "WRAP_FUNCTION",
@@ -51,6 +52,9 @@ SCHEDULER_MODULE = "megatron.core.datasets.data_schedule"
 SCHEDULER_UTILS_MODULE = "megatron.core.datasets.data_schedule_utils"
 WRAP_FUNCTION = "wrap_data_iterator"
 FETCH_FUNCTION = "get_batch_on_this_rank_for_sequence_packing"
+SCALARS_BROADCAST_FUNCTION = "broadcast_scalars"
+"""The function of :data:`SCHEDULER_UTILS_MODULE`, ``(values, group, dev)``, with which every native generation's
+``wrap_data_iterator`` sends its TP rank 0's microbatch count and FLOPs sums to the other TP ranks (G2-G8, M3)."""
 DYNAMIC_CP_GROUP_GETTERS = ("get_dynamic_data_context_parallel_groups", "get_hybrid_data_context_parallel_groups")
 PACKING_CONFIG_FIELDS = (
     "sequence_packing_scheduler",

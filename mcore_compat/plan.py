@@ -26,7 +26,7 @@ from typing import Any
 
 from mcore_compat.portable import SCHEDULERS
 from mcore_compat.portable.errors import PortablePackingError
-from mcore_compat.portable.schedule import PLANNERS
+from mcore_compat.portable.schedule import PLANNERS, plan_dp_balanced
 
 __all__ = [
     "DYNAMIC_SCHEDULERS",
@@ -238,8 +238,12 @@ def plan_lengths(
     sequence_parallel: bool = False,
     min_dynamic_context_parallel_size: int = 1,
     source: str = "input",
+    first_bin_donates: bool = True,
 ) -> tuple[list[int], list[ScheduleReport]]:
-    """Pad ``raw`` to the runtime's alignment and plan it with each scheduler; returns (padded, reports)."""
+    """Pad ``raw`` to the runtime's alignment and plan it with each scheduler; returns (padded, reports).
+
+    ``first_bin_donates`` False plans ``dp_balanced`` as Megatron-Core ``main`` runs it (it never splits its
+    first bin, so some batches fail there that the portable backend packs)."""
     if max_seqlen_per_dp_cp_rank < 1:
         raise PlanInputError(
             f"--max-seqlen-per-dp-cp-rank {max_seqlen_per_dp_cp_rank}: use the positive number of padded tokens "
@@ -271,10 +275,13 @@ def plan_lengths(
                 )
             )
             continue
+        planner = PLANNERS[name]
+        rule = {"first_bin_donates": first_bin_donates} if planner is plan_dp_balanced else {}
         try:
-            plan = PLANNERS[name](padded, capacity=capacity, dp_size=layout.dp)
+            plan = planner(padded, capacity=capacity, dp_size=layout.dp, **rule)
         except PortablePackingError as exc:
-            raise PlanInputError(f"--scheduler {name}: {exc}") from None
+            pin = " (as this pin's Megatron-Core runs it)" if rule and not first_bin_donates else ""
+            raise PlanInputError(f"--scheduler {name}{pin}: {exc}") from None
         reports.append(_report(name, plan.bins, layout.dp, raw, padded))
     return padded, reports
 
@@ -428,6 +435,15 @@ def plot(reports: Sequence[ScheduleReport], path: str, capacity: int) -> None:
     plt.close(figure)
 
 
+def _installed_first_bin_rule() -> bool:
+    """Whether the installed Megatron-Core's ``dp_balanced`` may split its first bin (True without one, or where
+    the portable backend runs ``dp_balanced``): ``main`` runs its own and never splits it."""
+    from mcore_compat.capabilities import detect
+
+    facts = detect().facts
+    return not facts.native_scheduler or facts.dp_balanced_first_bin_donates is not False
+
+
 def main(args: Any) -> int:
     """Run ``plan`` for parsed CLI arguments (see :mod:`mcore_compat.cli`); 0 on success, 2 on bad input."""
     import sys
@@ -449,6 +465,7 @@ def main(args: Any) -> int:
             sequence_parallel=args.sequence_parallel,
             min_dynamic_context_parallel_size=args.min_dynamic_context_parallel_size,
             source=source,
+            first_bin_donates=_installed_first_bin_rule(),
         )
         if args.plot:
             plot(reports, args.plot, capacity)

@@ -202,6 +202,9 @@ def wrap_data_iterator_for_global_batch_packing(
         if failure is None:
             raise
         raise failure from exc
+    check_scheduled = getattr(chosen, "check_scheduled", None) if checked_iterator is not None else None
+    if check_scheduled is not None:  # a TP rank whose TP rank 0's scheduler failed: the same error here
+        check_scheduled(count, model_config, pg_collection)
     expect_fetches = getattr(chosen, "expect_fetches", None) if checked_iterator is not None else None
     if expect_fetches is not None:  # a fetch past the count then raises on every TP rank, not in MCore's broadcast
         expect_fetches(int(count), packed, _iterator_for_tp_rank(data_iterator, pg_collection))

@@ -323,6 +323,11 @@ CASES: list[tuple[BadInput, str, tuple[str, ...]]] = [
         ("all fit in one bin", "never splits its first bin", "use more or longer samples per step"),
     ),
     (
+        BadInput("only the first bin holds two sequences", "shortest", index=-1, dp_rank=0, elsewhere="at_capacity"),
+        FIRST_BIN,
+        ("could not round its bin count up to a multiple of", "Not enough samples to move", "use more samples"),
+    ),
+    (
         BadInput("VPP microbatch group under dynamic CP", dp_rank=None, dynamic_cp=True, config=VPP_4),
         CONFIG,
         ("microbatch_group_size_per_vp_stage=4 with dynamic context parallelism", "None or 1"),

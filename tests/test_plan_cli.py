@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from mcore_compat import cli
-from mcore_compat.plan import Layout, alignment
+from mcore_compat.plan import Layout, PlanInputError, alignment, plan_lengths
 from packing.global_batch import alignment_multiple
 
 
@@ -145,6 +145,21 @@ def test_too_long_names_the_fix(tmp_path, capsys):
     status, _, err = _plan(capsys, "--lengths", str(path), "--layout", "1,4,2", "--max-seqlen-per-dp-cp-rank", "1000")
     assert status == 2
     assert "raise --max-seqlen-per-dp-cp-rank to at least 1250" in err
+
+
+@pytest.mark.parametrize(("donates", "microbatches"), [(True, 1), (False, None)])
+def test_dp_balanced_planned_with_the_pins_first_bin_rule(donates, microbatches):
+    """Three short samples fit in one bin; DP 2 needs two: dev (and the portable backend) split the first bin,
+    main never does, and its scheduler fails the step."""
+    kwargs = {"layout": Layout(1, 1, 2), "max_seqlen_per_dp_cp_rank": 64, "schedulers": ["dp_balanced"]}
+    if microbatches is not None:
+        _, (report,) = plan_lengths([8, 8, 8], first_bin_donates=donates, **kwargs)
+        assert report.microbatches == microbatches
+        return
+    with pytest.raises(PlanInputError) as err:
+        plan_lengths([8, 8, 8], first_bin_donates=donates, **kwargs)
+    assert "dp_balanced (as this pin's Megatron-Core runs it)" in str(err.value)
+    assert "use more samples per step" in str(err.value)
 
 
 def test_alignment_is_the_runtime_rule():

@@ -6,6 +6,8 @@ import importlib
 import itertools
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 import mcore_compat.runtime as runtime
 from mcore_compat.adapters.base import (
     DYNAMIC_CP_SCHEDULERS,
@@ -31,13 +33,21 @@ from mcore_compat.contract import (
     stage_source,
 )
 from mcore_compat.errors import PackingError
-from mcore_compat.generations import FETCH_FUNCTION, SCHEDULER_MODULE, WRAP_FUNCTION
+from mcore_compat.generations import (
+    FETCH_FUNCTION,
+    SCALARS_BROADCAST_FUNCTION,
+    SCHEDULER_MODULE,
+    SCHEDULER_UTILS_MODULE,
+    WRAP_FUNCTION,
+)
 from mcore_compat.portable import SCHEDULERS as PORTABLE_SCHEDULERS
 from mcore_compat.portable.errors import OK, PortablePackingError, Problem, raise_if_bad, record
 from mcore_compat.results import SchedulerApi
 
 _NOT_ENOUGH_TO_MOVE = "Not enough samples to move"
 """The assertion message of Megatron-Core's dp_balanced when it cannot round its bin count (every native row)."""
+_ROUNDING_FAILED = -1
+"""The microbatch count a TP rank 0 whose scheduler could not round its bins sends its other TP ranks."""
 _EVERY_STAGE_FIELDS = ("pipeline_model_parallel_layout", "mtp_num_layers")
 """Config fields Megatron-Core's scheduler reads (through ``mtp_on_this_rank``) where every PP stage loads data."""
 
@@ -147,6 +157,7 @@ class NativeSchedulerAdapter(PackingAdapter):
             if error is None:
                 raise
             raise error from exc
+        self.check_scheduled(count, model_config, pg_collection)
         self.expect_fetches(int(count), packed, data_iterator)
         return WrapResult(packed, int(count), float(seqlen_sum), float(seqlen_squared_sum))
 
@@ -191,12 +202,29 @@ class NativeSchedulerAdapter(PackingAdapter):
 
     def scheduler_failure(self, exc: AssertionError, model_config: Any, pg_collection: Any) -> PackingError | None:
         """The packing error for an assertion Megatron-Core's scheduler failed after the agreement, or None (raise
-        it as it is): a bin count dp_balanced could not round (the agreement rules it out only where it surely
-        fails; every scheduling rank fails it alike) is ``TOO_FEW_SAMPLES`` with the fix."""
-        rounding = self._bins(model_config, pg_collection, Limits())
-        if rounding is None or _NOT_ENOUGH_TO_MOVE not in str(exc):
+        it as it is).
+
+        A bin count dp_balanced could not round (the agreement rules it out only where it surely fails) fails alike
+        on every scheduling rank, each a TP rank 0; its other TP ranks wait for the microbatch count it broadcasts.
+        They are sent :data:`_ROUNDING_FAILED` instead, with the scheduler's own broadcast, and raise the same
+        ``TOO_FEW_SAMPLES`` error as this rank from :meth:`check_scheduled`.
+        """
+        if self._bins(model_config, pg_collection, Limits()) is None or _NOT_ENOUGH_TO_MOVE not in str(exc):
             return None
-        return PortablePackingError(record(Problem.TOO_FEW_SAMPLES, b=-3, c=rounding.multiple))
+        broadcast = getattr(importlib.import_module(SCHEDULER_UTILS_MODULE), SCALARS_BROADCAST_FUNCTION, None)
+        if broadcast is not None and pg_collection.tp.size() > 1:
+            broadcast([float(_ROUNDING_FAILED), 0.0, 0.0], pg_collection.tp, torch.cuda.current_device())
+        return self._rounding_failure(model_config, pg_collection)
+
+    def check_scheduled(self, count: Any, model_config: Any, pg_collection: Any) -> None:
+        """Raise on a TP rank that received :data:`_ROUNDING_FAILED` for its microbatch count (see
+        :meth:`scheduler_failure`) the error its TP rank 0 raised."""
+        if int(count) == _ROUNDING_FAILED:
+            raise self._rounding_failure(model_config, pg_collection)
+
+    def _rounding_failure(self, model_config: Any, pg_collection: Any) -> PackingError:
+        rounding = self._bins(model_config, pg_collection, Limits())
+        return PortablePackingError(record(Problem.TOO_FEW_SAMPLES, b=-3, c=rounding.multiple if rounding else 0))
 
     def _step_limits(self, model_config: Any, pg_collection: Any) -> Limits:
         """Check this rank's settings as the pin's scheduler will read them; the limits its samples must meet."""
