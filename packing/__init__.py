@@ -233,9 +233,10 @@ def get_batch_for_global_batch_packing(
     chosen = adapter()
     portable_api = _portable_api_for(chosen, model_config)
     _, fetch = portable_api or _scheduler_api()
-    count_fetch = getattr(chosen, "count_fetch", None)
-    if count_fetch is not None and portable_api is None and _scheduler_api is _PIN_SCHEDULER_API:
-        count_fetch(vp_stage, _iterator_for_tp_rank(data_iterator, pg_collection))
+    iterator, problem = _iterator_for_tp_rank(data_iterator, pg_collection), None
+    fetch_source = getattr(chosen, "fetch_source", None)
+    if fetch_source is not None and portable_api is None and _scheduler_api is _PIN_SCHEDULER_API:
+        iterator, problem = fetch_source(vp_stage, iterator, pg_collection)
     accepted = _accepted_parameters(fetch)
     optional: dict[str, Any] = {}
     if "dynamic_cp" in accepted:
@@ -244,7 +245,7 @@ def get_batch_for_global_batch_packing(
         optional["config"] = model_config
     batch = tuple(
         fetch(
-            _iterator_for_tp_rank(data_iterator, pg_collection),
+            iterator,
             vpp_size=getattr(model_config, "virtual_pipeline_model_parallel_size", None),
             mtp_on_this_rank=chosen.mtp_on_this_rank(model_config, vp_stage),
             vp_stage=vp_stage,
@@ -252,6 +253,9 @@ def get_batch_for_global_batch_packing(
             **optional,
         )
     )
+    check_fetched = getattr(chosen, "check_fetched", None)
+    if check_fetched is not None and problem is not None:  # a refused fetch raises on every TP rank, after the fetch
+        check_fetched(batch, problem)
     tokens, labels, loss_mask, attention_mask, position_ids, packed_seq_params, padding_mask = batch + (None,) * (
         len(PackedBatch._fields) - len(batch)
     )

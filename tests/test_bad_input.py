@@ -25,7 +25,6 @@ VPP_3 = (_VPP_GROUP[0], ("microbatch_group_size_per_vp_stage", 3))
 VPP_1 = (_VPP_GROUP[0], ("microbatch_group_size_per_vp_stage", 1))
 """One virtual stage (no list of iterators needed) with a microbatch group: Megatron-Core still rounds its bins
 up to a multiple of DP x the group."""
-TP_1 = ("1x2x2", "1x1x4")
 """Layouts where every rank is a TP rank 0: a fetch given the wrong iterator is seen on every rank (with TP > 1
 Megatron-Core's other TP ranks cannot tell, and wait in its broadcast; the portable backend raises on all)."""
 SECONDS = 10.0
@@ -358,12 +357,12 @@ CASES: list[tuple[BadInput, str, tuple[str, ...]]] = [
     (BadInput("tokens and labels views of one buffer on one rank", "shared_buffer", index=-1), "ok", ()),
     (BadInput("extra fetch", extra_fetch=True), "ok", ()),
     (
-        BadInput("fetch from the consumed sample iterator", fetch_from="raw", layouts=TP_1),
+        BadInput("fetch from the consumed sample iterator", fetch_from="raw"),
         BAD,
         ("get_batch_for_global_batch_packing", "pass the", "wrap_data_iterator_for_global_batch_packing"),
     ),
     (
-        BadInput("fetch from None on TP rank 0", fetch_from="none", layouts=TP_1),
+        BadInput("fetch from None on TP rank 0", fetch_from="none"),
         BAD,
         ("data_iterator=None on TP rank 0", "pass that iterator"),
     ),

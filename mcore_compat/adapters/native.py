@@ -46,6 +46,9 @@ from mcore_compat.results import SchedulerApi
 
 _NOT_ENOUGH_TO_MOVE = "Not enough samples to move"
 """The assertion message of Megatron-Core's dp_balanced when it cannot round its bin count (every native row)."""
+_FETCH_REFUSED = 1 << 30
+"""Added to a refused fetch's problem in the ``max_seqlen`` TP rank 0 hands Megatron-Core's fetch (no real bin
+holds a sequence of 2**30 tokens); the other TP ranks read it back from ``PackedSeqParams.max_seqlen_q``."""
 _ROUNDING_FAILED = -1
 """The microbatch count a TP rank 0 whose scheduler could not round its bins sends its other TP ranks."""
 _EVERY_STAGE_FIELDS = ("pipeline_model_parallel_layout", "mtp_num_layers")
@@ -284,9 +287,11 @@ class NativeSchedulerAdapter(PackingAdapter):
             kwargs["dynamic_cp"] = self.dynamic_cp_enabled(model_config)
         if "config" in self.facts.fetch_keywords:
             kwargs["config"] = model_config
-        iterator = data_iterator if pg_collection.tp.rank() == 0 else None
-        self.count_fetch(vp_stage, iterator)
+        iterator, problem = self.fetch_source(
+            vp_stage, data_iterator if pg_collection.tp.rank() == 0 else None, pg_collection
+        )
         batch = tuple(self._fetch(iterator, **kwargs))
+        self.check_fetched(batch, problem)
         return PackedBatch(*batch, *(None,) * (FETCH_ARITY - len(batch)))
 
     def finalize(
@@ -307,24 +312,54 @@ class NativeSchedulerAdapter(PackingAdapter):
         self._packed = per_stage(packed)
         self._consumed = [it for it in per_stage(consumed) if it is not None]
 
-    def count_fetch(self, vp_stage: int | None, data_iterator: Any = None) -> None:
-        """Refuse a fetch Megatron-Core would fail in, before its broadcast over TP.
+    def fetch_source(self, vp_stage: int | None, data_iterator: Any, pg_collection: Any) -> tuple[Any, list[int]]:
+        """What Megatron-Core's fetch gets on this rank, and this fetch's problem (OK where none).
 
-        A fetch past the microbatch count ``wrap`` returned raises ``StopIteration`` on every TP rank (every
-        rank knows the count: MCore broadcasts it). On TP rank 0, ``data_iterator`` None where ``wrap``
-        returned a packed iterator, or the sample iterator ``wrap`` consumed, raises a packing error naming
-        the fix (at TP size 1 on every rank; with TP the other TP ranks cannot tell, see the README).
+        A fetch past the microbatch count ``wrap`` returned raises ``StopIteration`` here, on every TP rank (every
+        rank knows the count: MCore broadcasts it). On TP rank 0, ``data_iterator`` None where ``wrap`` returned a
+        packed iterator, or the sample iterator ``wrap`` consumed, is refused: at TP size 1 it raises here; with TP
+        the other TP ranks cannot tell, so the fetch still runs, on this stage's next packed microbatch with its
+        ``max_seqlen`` set to :data:`_FETCH_REFUSED` plus the problem, which MCore's broadcast carries to them, and
+        :meth:`check_fetched` raises the problem on every TP rank after it.
         """
         if self._packed_count is None:
-            return
+            return data_iterator, list(OK)
         done = self._fetched.get(vp_stage, 0)
         if done >= self._packed_count:
             raise_if_bad(record(Problem.PACKED_EXHAUSTED, a=self._packed_count))
-        if data_iterator is None and any(it is not None for it in self._packed):
-            raise_if_bad(record(Problem.PACKED_NO_ITERATOR))
-        if any(data_iterator is it for it in self._consumed):
-            raise_if_bad(record(Problem.PACKED_RAW_ITERATOR))
         self._fetched[vp_stage] = done + 1
+        problem = list(OK)
+        if data_iterator is None and any(it is not None for it in self._packed):
+            problem = record(Problem.PACKED_NO_ITERATOR)
+        elif any(data_iterator is it for it in self._consumed):
+            problem = record(Problem.PACKED_RAW_ITERATOR)
+        if problem == OK:
+            return data_iterator, problem
+        marked = self._marked_microbatch(vp_stage, problem) if pg_collection.tp.size() > 1 else None
+        if marked is None:
+            raise_if_bad(problem)
+        return iter([marked]), problem
+
+    def _marked_microbatch(self, vp_stage: int | None, problem: list[int]) -> dict[str, Any] | None:
+        """This stage's next packed microbatch with ``max_seqlen`` marking ``problem``, or None where none is left."""
+        packed = self._packed[vp_stage or 0] if len(self._packed) > (vp_stage or 0) else None
+        microbatch = next(packed, None) if packed is not None else None
+        if not isinstance(microbatch, dict) or "max_seqlen" not in microbatch:
+            return None
+        mark = _FETCH_REFUSED + int(problem[0])
+        original = microbatch["max_seqlen"]
+        marked = torch.full_like(original, mark) if isinstance(original, torch.Tensor) else mark
+        return {**microbatch, "max_seqlen": marked}
+
+    @staticmethod
+    def check_fetched(batch: tuple[Any, ...], problem: list[int]) -> None:
+        """After Megatron-Core's fetch: raise this rank's own problem, or the one its TP rank 0 marked the
+        microbatch with (see :meth:`fetch_source`)."""
+        raise_if_bad(problem)
+        params = batch[5] if len(batch) > 5 else None
+        marked = int(getattr(params, "max_seqlen_q", None) or 0) - _FETCH_REFUSED
+        if marked in (Problem.PACKED_NO_ITERATOR, Problem.PACKED_RAW_ITERATOR):
+            raise_if_bad(record(Problem(marked)))
 
 
 def _replace(iterators: Any, position: int, replay: Any) -> list[Any]:
