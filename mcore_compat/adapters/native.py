@@ -48,7 +48,8 @@ _NOT_ENOUGH_TO_MOVE = "Not enough samples to move"
 """The assertion message of Megatron-Core's dp_balanced when it cannot round its bin count (every native row)."""
 _FETCH_REFUSED = 1 << 30
 """Added to a refused fetch's problem in the ``max_seqlen`` TP rank 0 hands Megatron-Core's fetch (no real bin
-holds a sequence of 2**30 tokens); the other TP ranks read it back from ``PackedSeqParams.max_seqlen_q``."""
+holds a sequence of 2**30 tokens); the other TP ranks read it back from ``PackedSeqParams.max_seqlen_q`` (THD padding
+keeps the larger value; padding to ``thd_max_packed_sequences`` replaces it)."""
 _ROUNDING_FAILED = -1
 """The microbatch count a TP rank 0 whose scheduler could not round its bins sends its other TP ranks."""
 _EVERY_STAGE_FIELDS = ("pipeline_model_parallel_layout", "mtp_num_layers")
