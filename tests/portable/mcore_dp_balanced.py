@@ -9,9 +9,13 @@ import inspect
 import json
 import sys
 
-from megatron.core.datasets.data_schedule import BasePackingScheduler, DpBalancedScheduler
-
 from mcore_compat import detect
+
+try:
+    from megatron.core.datasets.data_schedule import BasePackingScheduler, DpBalancedScheduler
+except ImportError:  # a tree from before the scheduler (releases, main before M3, dev before G2)
+    print(json.dumps({"no_scheduler": detect().describe()}))
+    sys.exit(0)
 
 has_cap = "max_num_seqs" in inspect.signature(BasePackingScheduler.__init__).parameters
 results = []

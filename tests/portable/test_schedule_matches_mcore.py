@@ -48,7 +48,10 @@ def _mcore_groups(cases: list[dict]) -> dict:
         [sys.executable, str(script)], input=json.dumps(cases), env=env, capture_output=True, text=True, timeout=600
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    if "no_scheduler" in result:
+        pytest.skip(f"MCORE_SRC has no dp_balanced scheduler to compare with: {result['no_scheduler']}")
+    return result
 
 
 def test_plans_match_mcore_dp_balanced():
