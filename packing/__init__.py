@@ -189,22 +189,12 @@ def wrap_data_iterator_for_global_batch_packing(
     checked_iterator = getattr(chosen, "checked_iterator", None) if own_scheduler else None
     if checked_iterator is not None:  # native pins: every rank agrees on the step's samples before MCore runs
         iterator = checked_iterator(iterator, model_config, num_microbatches, pg_collection)
-    try:
-        packed, count, seqlen_sum, seqlen_squared_sum = wrap_data_iterator(
-            no_data(model_config) if iterator is None else iterator,
-            model_config,
-            num_microbatches,
-            pg_collection=pg_collection,
-        )
-    except AssertionError as exc:
-        scheduler_failure = getattr(chosen, "scheduler_failure", None) if checked_iterator is not None else None
-        failure = None if scheduler_failure is None else scheduler_failure(exc, model_config, pg_collection)
-        if failure is None:
-            raise
-        raise failure from exc
-    check_scheduled = getattr(chosen, "check_scheduled", None) if checked_iterator is not None else None
-    if check_scheduled is not None:  # a TP rank whose TP rank 0's scheduler failed: the same error here
-        check_scheduled(count, model_config, pg_collection)
+    arguments = (no_data(model_config) if iterator is None else iterator, model_config, num_microbatches)
+    schedule = getattr(chosen, "schedule", None) if checked_iterator is not None else None
+    if schedule is not None:  # a step Megatron-Core's scheduler cannot round then fails on every TP rank
+        packed, count, seqlen_sum, seqlen_squared_sum = schedule(wrap_data_iterator, *arguments, pg_collection)
+    else:
+        packed, count, seqlen_sum, seqlen_squared_sum = wrap_data_iterator(*arguments, pg_collection=pg_collection)
     expect_fetches = getattr(chosen, "expect_fetches", None) if checked_iterator is not None else None
     if expect_fetches is not None:  # a fetch past the count then raises on every TP rank, not in MCore's broadcast
         expect_fetches(int(count), packed, _iterator_for_tp_rank(data_iterator, pg_collection))

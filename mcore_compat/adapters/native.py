@@ -152,16 +152,9 @@ class NativeSchedulerAdapter(PackingAdapter):
         if self._config_runs_portably(model_config):
             return self._portable().wrap(data_iterator, model_config, num_microbatches, pg_collection)
         iterator = self.checked_iterator(data_iterator, model_config, num_microbatches, pg_collection)
-        try:
-            packed, count, seqlen_sum, seqlen_squared_sum = self._wrap(
-                iterator, model_config, num_microbatches, pg_collection=pg_collection
-            )
-        except AssertionError as exc:
-            error = self.scheduler_failure(exc, model_config, pg_collection)
-            if error is None:
-                raise
-            raise error from exc
-        self.check_scheduled(count, model_config, pg_collection)
+        packed, count, seqlen_sum, seqlen_squared_sum = self.schedule(
+            self._wrap, iterator, model_config, num_microbatches, pg_collection
+        )
         self.expect_fetches(int(count), packed, data_iterator)
         return WrapResult(packed, int(count), float(seqlen_sum), float(seqlen_squared_sum))
 
@@ -204,27 +197,28 @@ class NativeSchedulerAdapter(PackingAdapter):
             iterator = replay if position is None else _replace(data_iterator, position, replay)
         return iterator
 
-    def scheduler_failure(self, exc: AssertionError, model_config: Any, pg_collection: Any) -> PackingError | None:
-        """The packing error for an assertion Megatron-Core's scheduler failed after the agreement, or None (raise
-        it as it is).
+    def schedule(
+        self, wrap: Any, iterator: Any, model_config: Any, num_microbatches: int, pg_collection: Any
+    ) -> tuple[Any, ...]:
+        """Megatron-Core's ``wrap_data_iterator`` (``wrap``) on the checked iterator, its result as it returns it.
 
         A bin count dp_balanced could not round (the agreement rules it out only where it surely fails) fails alike
-        on every scheduling rank, each a TP rank 0; its other TP ranks wait for the microbatch count it broadcasts.
-        They are sent :data:`_ROUNDING_FAILED` instead, with the scheduler's own broadcast, and raise the same
-        ``TOO_FEW_SAMPLES`` error as this rank from :meth:`check_scheduled`.
+        on every scheduling rank, each a TP rank 0, while its other TP ranks wait for the microbatch count it
+        broadcasts: it raises ``TOO_FEW_SAMPLES`` with the fix and first sends them :data:`_ROUNDING_FAILED` with
+        the scheduler's own broadcast, on which they raise the same error.
         """
-        if self._bins(model_config, pg_collection, Limits()) is None or _NOT_ENOUGH_TO_MOVE not in str(exc):
-            return None
-        broadcast = getattr(importlib.import_module(SCHEDULER_UTILS_MODULE), SCALARS_BROADCAST_FUNCTION, None)
-        if broadcast is not None and pg_collection.tp.size() > 1:
-            broadcast([float(_ROUNDING_FAILED), 0.0, 0.0], pg_collection.tp, torch.cuda.current_device())
-        return self._rounding_failure(model_config, pg_collection)
-
-    def check_scheduled(self, count: Any, model_config: Any, pg_collection: Any) -> None:
-        """Raise on a TP rank that received :data:`_ROUNDING_FAILED` for its microbatch count (see
-        :meth:`scheduler_failure`) the error its TP rank 0 raised."""
-        if int(count) == _ROUNDING_FAILED:
+        try:
+            result = tuple(wrap(iterator, model_config, num_microbatches, pg_collection=pg_collection))
+        except AssertionError as exc:
+            if self._bins(model_config, pg_collection, Limits()) is None or _NOT_ENOUGH_TO_MOVE not in str(exc):
+                raise
+            broadcast = getattr(importlib.import_module(SCHEDULER_UTILS_MODULE), SCALARS_BROADCAST_FUNCTION, None)
+            if broadcast is not None and pg_collection.tp.size() > 1:
+                broadcast([float(_ROUNDING_FAILED), 0.0, 0.0], pg_collection.tp, torch.cuda.current_device())
+            raise self._rounding_failure(model_config, pg_collection) from exc
+        if int(result[1]) == _ROUNDING_FAILED:
             raise self._rounding_failure(model_config, pg_collection)
+        return result
 
     def _rounding_failure(self, model_config: Any, pg_collection: Any) -> PackingError:
         rounding = self._bins(model_config, pg_collection, Limits())
