@@ -52,14 +52,19 @@ def _is_positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
+def _enum_value(value: Any) -> Any:
+    """An enum member with a string value (``PackingSchedulerEnum.DP_BALANCED``) as that string; else ``value``."""
+    return value.value if isinstance(value, enum.Enum) and isinstance(value.value, str) else value
+
+
 def scheduler_name(model_config: Any, known: tuple[str, ...] = ()) -> str:
     """The configured scheduler as an exact string (an enum member is written back as its string value).
 
     With ``known``, the name must be one of them, spelt exactly.
     """
-    value = getattr(model_config, "sequence_packing_scheduler", None)
-    if isinstance(value, enum.Enum) and isinstance(value.value, str):
-        value = value.value
+    configured = getattr(model_config, "sequence_packing_scheduler", None)
+    value = _enum_value(configured)
+    if value is not configured:
         model_config.sequence_packing_scheduler = value
     if not isinstance(value, str):
         raise PackingConfigError(
@@ -79,8 +84,7 @@ def scheduler_name(model_config: Any, known: tuple[str, ...] = ()) -> str:
 def probe_arguments(scheduler: Any, dynamic_cp: Any) -> tuple[str, bool] | str:
     """The probe's arguments as a scheduler name and a switch (a ``str`` enum member gives its value), or why
     they are neither: the probe answers for them as the runtime would read the config fields they stand for."""
-    if isinstance(scheduler, enum.Enum) and isinstance(scheduler.value, str):
-        scheduler = scheduler.value
+    scheduler = _enum_value(scheduler)
     if not isinstance(scheduler, str):
         return (
             f"sequence_packing_scheduler={scheduler!r} is not a scheduler name; pass a string such as "
