@@ -37,6 +37,7 @@ __all__ = [
     "MODEL_COMPONENTS",
     "ModelComponent",
     "PACKING_CONFIG_FIELDS",
+    "PP_BROADCAST_FUNCTION",
     "SCALARS_BROADCAST_FUNCTION",
     "SCHEDULER_MODULE",
     "SCHEDULER_UTILS_MODULE",
@@ -55,6 +56,12 @@ FETCH_FUNCTION = "get_batch_on_this_rank_for_sequence_packing"
 SCALARS_BROADCAST_FUNCTION = "broadcast_scalars"
 """The function of :data:`SCHEDULER_UTILS_MODULE`, ``(values, group, dev)``, with which every native generation's
 ``wrap_data_iterator`` sends its TP rank 0's microbatch count and FLOPs sums to the other TP ranks (G2-G8, M3)."""
+PP_BROADCAST_FUNCTION = "broadcast_to_pp_group"
+"""The function of :data:`SCHEDULER_UTILS_MODULE`, ``(new_samples, num_micro_batches, seqlen_sum,
+seqlen_squared_sum, pp_group, dev)``, with which the ``wrap_data_iterator`` of every generation whose first and last
+PP stages load data (``pipeline_data_stages="first_last"``: G2-G4, M3) hands the schedule from PP rank 0 to the
+middle stages when PP > 2, before the TP broadcast; the last stage joins and drops it. Its presence is the feature
+``utils.broadcast_to_pp_group``."""
 DYNAMIC_CP_GROUP_GETTERS = ("get_dynamic_data_context_parallel_groups", "get_hybrid_data_context_parallel_groups")
 PACKING_CONFIG_FIELDS = (
     "sequence_packing_scheduler",
@@ -84,7 +91,7 @@ FEATURES: dict[str, str] = {
     "registry.enum": "scheduler_map is keyed by PackingSchedulerEnum",
     "DynamicCPDataLoaderWrapper": "data_schedule.DynamicCPDataLoaderWrapper exists",
     "utils.create_data_iterator": "data_schedule_utils.create_data_iterator exists",
-    "utils.broadcast_to_pp_group": "data_schedule_utils.broadcast_to_pp_group exists",
+    "utils.broadcast_to_pp_group": f"data_schedule_utils.{PP_BROADCAST_FUNCTION} exists",
     "utils.reroute_all_gather": "data_schedule_utils.reroute_samples_to_dcp_ranks takes 7 parameters",
     "psp.cp_partition_mode": "PackedSeqParams has the field cp_partition_mode",
     "thd_tail_padding_policy": "packed_seq_params.resolve_thd_tail_padding_policy exists",

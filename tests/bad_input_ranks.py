@@ -327,9 +327,12 @@ def _run(bad: BadInput, case: Case, pg: Any, rank: int) -> Outcome:
 
 
 def bad_inputs_on_rank(
-    rank: int, world_size: int, layout: Layout, cases: Sequence[BadInput], base: dict[str, Any]
+    rank: int, world_size: int, layout: Layout, cases: Sequence[BadInput], base: dict[str, Any], pipeline: int = 1
 ) -> dict[str, Any]:
-    """Every case on this rank for one layout, in one process group; also reports the backend."""
+    """Every case on this rank for one layout, in one process group; also reports the backend.
+
+    ``pipeline`` pipeline stages of ``layout`` each (``world_size`` = ``pipeline`` x the layout's size).
+    """
     import packing
     from mcore_compat import adapter
 
@@ -353,7 +356,7 @@ def bad_inputs_on_rank(
                 keywords = packing.dynamic_cp_initialize_keywords(1)
             state.initialize_model_parallel(
                 tensor_model_parallel_size=layout.tp,
-                pipeline_model_parallel_size=1,
+                pipeline_model_parallel_size=pipeline,
                 context_parallel_size=layout.cp,
                 **keywords,
             )

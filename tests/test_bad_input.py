@@ -454,3 +454,50 @@ def test_every_accepted_sample_layout_packs_the_same(outcomes: dict, name: str, 
     other = {o.rank: o.fetched for o in outcomes["runs"][name]}
     assert all(expected.values())
     assert other == expected
+
+
+PIPELINE_STAGES = 3
+"""Enough pipeline stages for a middle one, which loads no data where the first and last stages load it."""
+PIPELINE_CASES = [
+    (BadInput("good input", dp_rank=None), "ok"),
+    (
+        BadInput("only the first bin holds two sequences", "shortest", index=-1, dp_rank=0, elsewhere="at_capacity"),
+        FIRST_BIN,
+    ),
+    (BadInput("one sequence more than DP can share", "two_at_capacity", index=0, elsewhere="at_capacity"), BAD),
+    (BadInput("good input after them", dp_rank=None), "ok"),
+]
+
+
+@pytest.mark.parametrize("layout", [Layout(1, 1, 2), Layout(2, 1, 2)], ids=str)
+def test_every_pipeline_stage_raises_a_step_the_scheduler_cannot_round(layout: Layout):
+    """With three pipeline stages (TP rank 0 of the middle one gets the schedule from the first by broadcast where
+    only the first and last load data), a step Megatron-Core's dp_balanced cannot round fails on every rank of every
+    stage with the same error, and the next good step runs."""
+    cases = [case for case, _ in PIPELINE_CASES]
+    world = PIPELINE_STAGES * layout.world_size
+    per_rank = launch(
+        bad_inputs_on_rank,
+        world,
+        args=(layout, cases, BASE, PIPELINE_STAGES),
+        sys_path=SYS_PATH,
+        timeout=240,
+        pg_timeout=20,
+    )
+    generation = GENERATIONS.get(per_rank[0]["generation"] or "")
+    refuses_first_bin = per_rank[0]["backend"] == "native" and generation is not None
+    refuses_first_bin = refuses_first_bin and generation.dp_balanced_first_bin_donates is False
+    for case, expected in PIPELINE_CASES:
+        ranks = [o for result in per_rank for o in result["outcomes"] if o.name == case.name]
+        assert len(ranks) == world
+        seen = {(o.kind, o.message) for o in ranks}
+        assert len(seen) == 1, f"ranks disagree on {case.name}: {seen}"
+        if expected == FIRST_BIN:
+            expected = BAD if refuses_first_bin else "ok"
+        if expected == BAD:
+            assert all(o.bad_sample_error for o in ranks), seen
+            assert "use more samples" in ranks[0].message
+        else:
+            assert {o.kind for o in ranks} == {"ok"}, seen
+            assert {o.microbatches for o in ranks} != {0}
+        assert max(o.seconds for o in ranks) < SECONDS

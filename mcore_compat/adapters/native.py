@@ -35,6 +35,7 @@ from mcore_compat.contract import (
 from mcore_compat.errors import PackingError
 from mcore_compat.generations import (
     FETCH_FUNCTION,
+    PP_BROADCAST_FUNCTION,
     SCALARS_BROADCAST_FUNCTION,
     SCHEDULER_MODULE,
     SCHEDULER_UTILS_MODULE,
@@ -203,22 +204,38 @@ class NativeSchedulerAdapter(PackingAdapter):
         """Megatron-Core's ``wrap_data_iterator`` (``wrap``) on the checked iterator, its result as it returns it.
 
         A bin count dp_balanced could not round (the agreement rules it out only where it surely fails) fails alike
-        on every scheduling rank, each a TP rank 0, while its other TP ranks wait for the microbatch count it
-        broadcasts: it raises ``TOO_FEW_SAMPLES`` with the fix and first sends them :data:`_ROUNDING_FAILED` with
-        the scheduler's own broadcast, on which they raise the same error.
+        on every scheduling rank, each a TP rank 0, while the ranks that do not schedule wait for the microbatch
+        count it broadcasts: it raises ``TOO_FEW_SAMPLES`` with the fix and first sends :data:`_ROUNDING_FAILED`
+        the way the scheduler sends its count, with the scheduler's own broadcasts (to the middle PP stages, then
+        to its other TP ranks), on which they raise the same error.
         """
         try:
             result = tuple(wrap(iterator, model_config, num_microbatches, pg_collection=pg_collection))
         except AssertionError as exc:
             if self._bins(model_config, pg_collection, Limits()) is None or _NOT_ENOUGH_TO_MOVE not in str(exc):
                 raise
-            broadcast = getattr(importlib.import_module(SCHEDULER_UTILS_MODULE), SCALARS_BROADCAST_FUNCTION, None)
-            if broadcast is not None and pg_collection.tp.size() > 1:
-                broadcast([float(_ROUNDING_FAILED), 0.0, 0.0], pg_collection.tp, torch.cuda.current_device())
+            self._release_waiting_ranks(pg_collection)
             raise self._rounding_failure(model_config, pg_collection) from exc
         if int(result[1]) == _ROUNDING_FAILED:
             raise self._rounding_failure(model_config, pg_collection)
         return result
+
+    def _release_waiting_ranks(self, pg_collection: Any) -> None:
+        """Send :data:`_ROUNDING_FAILED` as the microbatch count where Megatron-Core's ``wrap_data_iterator`` sends
+        its count: from PP rank 0 to the middle PP stages (the last stage joins, see :data:`PP_BROADCAST_FUNCTION`),
+        then to the other TP ranks (:data:`SCALARS_BROADCAST_FUNCTION`)."""
+        utils = importlib.import_module(SCHEDULER_UTILS_MODULE)
+        device = torch.cuda.current_device()
+        to_middle_stages = getattr(utils, PP_BROADCAST_FUNCTION, None)
+        if (
+            self.facts.pipeline_data_stages == "first_last"
+            and to_middle_stages is not None
+            and pg_collection.pp.size() > 2
+        ):
+            to_middle_stages([], _ROUNDING_FAILED, 0.0, 0.0, pg_collection.pp, device)
+        to_tp_ranks = getattr(utils, SCALARS_BROADCAST_FUNCTION, None)
+        if to_tp_ranks is not None and pg_collection.tp.size() > 1:
+            to_tp_ranks([float(_ROUNDING_FAILED), 0.0, 0.0], pg_collection.tp, device)
 
     def _rounding_failure(self, model_config: Any, pg_collection: Any) -> PackingError:
         rounding = self._bins(model_config, pg_collection, Limits())
