@@ -16,7 +16,7 @@ from pathlib import Path
 from mcore_compat import pins
 from mcore_compat.generations import GENERATIONS
 
-__all__ = ["HOW_TO_GET_ONE", "REPO", "TIPS", "tree"]
+__all__ = ["HOW_TO_GET_ONE", "REPO", "SCHEDULER_PATHS", "TIPS", "scheduler_commits", "tree"]
 
 REPO = os.environ.get("MCORE_REPO")
 TREES = Path(
@@ -30,6 +30,15 @@ HOW_TO_GET_ONE = (
 TIPS = {name: (pins.load().pins[name].commit or "", pins.load().pins[name].generation) for name in ("main", "dev")}
 """The pinned main and dev commits and the generation each must be detected as."""
 FIRST_COMMITS = [(row.id, row.first_commit) for row in GENERATIONS.values() if row.first_commit]
+SCHEDULER_PATHS = (
+    "megatron/core/datasets/data_schedule.py",
+    "megatron/core/datasets/data_schedule_utils.py",
+    "megatron/core/packed_seq_params.py",
+    "megatron/core/context_parallel_layout",
+    "megatron/core/parallel_state.py",
+)
+"""Where Megatron-LM keeps the packing scheduler, the THD parameters it builds and the DP x CP groups it schedules
+on: a commit that touches them may change what detection sees."""
 
 
 def _git(*args: str) -> bytes:
@@ -49,3 +58,37 @@ def tree(rev: str) -> Path:
             archive.extractall(part, filter="data")
         part.rename(root)
     return root
+
+
+def scheduler_commits() -> list[tuple[str, str]]:
+    """``(generation, commit)`` for every other commit of both tips' history since the oldest first commit of the
+    table that touched :data:`SCHEDULER_PATHS` (empty without ``MCORE_REPO``).
+
+    Each is expected to be the generation of its newest ancestor among the first commits (by commit date), as
+    between two first commits nothing changes shape: a commit that is not is a generation the table lacks.
+    """
+    if REPO is None:
+        return []
+    known = {commit for _, commit in FIRST_COMMITS} | {commit[:10] for commit, _ in TIPS.values()}
+    oldest = min((commit for _, commit in FIRST_COMMITS), key=_commit_time)
+    tips = [commit for commit, _ in TIPS.values()]
+    listed = _git("rev-list", *tips, f"^{oldest}^", "--", *SCHEDULER_PATHS).decode().split()
+    found = []
+    for commit in (c[:10] for c in reversed(listed)):
+        if commit in known:
+            continue
+        ancestors = [(gen, first) for gen, first in FIRST_COMMITS if _is_ancestor(first, commit)]
+        if ancestors:
+            found.append((max(ancestors, key=lambda row: _commit_time(row[1]))[0], commit))
+    return found
+
+
+def _commit_time(rev: str) -> int:
+    return int(_git("show", "-s", "--format=%ct", rev).decode())
+
+
+def _is_ancestor(ancestor: str, rev: str) -> bool:
+    assert REPO is not None
+    git_dir = Path(REPO) / ".git" if (Path(REPO) / ".git").exists() else Path(REPO)
+    args = ["git", f"--git-dir={git_dir}", "merge-base", "--is-ancestor", ancestor, rev]
+    return subprocess.run(args, capture_output=True).returncode == 0

@@ -19,7 +19,7 @@ import mcore_compat
 from mcore_compat.adapters import ADAPTERS, UnsupportedAdapter
 from tests.conftest import FAKE_GENERATIONS, doctor_report
 from tests.fake_mcore import installed
-from tests.real_trees import FIRST_COMMITS, HOW_TO_GET_ONE, REPO, TIPS, tree
+from tests.real_trees import FIRST_COMMITS, HOW_TO_GET_ONE, REPO, TIPS, scheduler_commits, tree
 
 pytestmark = [
     pytest.mark.skipif(REPO is None, reason=HOW_TO_GET_ONE),
@@ -80,7 +80,7 @@ def fake_capabilities(generation: str) -> dict[str, Any]:
 def assert_detected(root: Path, generation: str) -> dict[str, Any]:
     status, report = doctor_report(root, cwd=root)
     caps = report["capabilities"]
-    assert report["generation"] == generation, f"{tree}: import_error={caps['import_error']}"
+    assert report["generation"] == generation, f"{root}: import_error={caps['import_error']}"
     assert report["adapter"] == declaring_adapter(generation)
     assert status == (0 if report["runnable"] else 1)
     assert caps["mcore_path"] == str((root / "megatron" / "core").resolve())
@@ -96,6 +96,16 @@ def test_first_commit_detects_its_generation(generation: str, commit: str) -> No
     real = report["capabilities"]
     assert {k: real[k] for k in COMPARED_CAPABILITIES} == {k: fake[k] for k in COMPARED_CAPABILITIES}
     assert set(real["packing_config_fields"]) == set(fake["packing_config_fields"])
+
+
+SCHEDULER_COMMITS = scheduler_commits()
+
+
+@pytest.mark.parametrize(("generation", "commit"), SCHEDULER_COMMITS, ids=[f"{g}-{c}" for g, c in SCHEDULER_COMMITS])
+def test_every_commit_that_touched_the_scheduler_detects_its_generation(generation: str, commit: str) -> None:
+    """Between two first commits nothing changes shape: a commit that touched the scheduler's files and is detected
+    otherwise than its newest first-commit ancestor's generation is a generation the table lacks."""
+    assert_detected(tree(commit), generation)
 
 
 @pytest.mark.parametrize("commit", PREVIOUS_GENERATION, ids=[f"{c}^" for c in PREVIOUS_GENERATION])
