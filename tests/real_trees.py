@@ -7,6 +7,7 @@ project) and reused. Without ``MCORE_REPO`` the tests that need trees skip with 
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import subprocess
@@ -83,6 +84,7 @@ def scheduler_commits() -> list[tuple[str, str]]:
     return found
 
 
+@functools.cache
 def _commit_time(rev: str) -> int:
     return int(_git("show", "-s", "--format=%ct", rev).decode())
 

@@ -390,16 +390,21 @@ def outcomes(request: pytest.FixtureRequest) -> dict:
     for rank_result in per_rank:
         for outcome in rank_result["outcomes"]:
             runs.setdefault(outcome.name, []).append(outcome)
-    generation = GENERATIONS.get(per_rank[0]["generation"] or "")
-    first_bin_donates = generation is None or generation.dp_balanced_first_bin_donates is not False
     return {
         "layout": _layout_id(request.param),
         "world": world,
         "pipeline": stages > 1,
         "backend": per_rank[0]["backend"],
         "runs": runs,
-        "donates": first_bin_donates,
+        "first_bin_refused": _first_bin_refused(per_rank),
     }
+
+
+def _first_bin_refused(per_rank: list[dict]) -> bool:
+    """Whether the step that ran used Megatron-Core's own dp_balanced where it never splits its first bin (main)."""
+    generation = GENERATIONS.get(per_rank[0]["generation"] or "")
+    native = per_rank[0]["backend"] == "native"
+    return native and generation is not None and generation.dp_balanced_first_bin_donates is False
 
 
 @pytest.mark.parametrize(("case", "expected", "fragments"), CASES, ids=[c.name for c, _, _ in CASES])
@@ -417,7 +422,7 @@ def test_every_rank_raises_the_same_clear_error(outcomes: dict, case: BadInput, 
         assert all(o.config_error for o in ranks), (kind, message)  # where dynamic CP runs without PP only
         return
     if expected == FIRST_BIN:
-        expected, fragments = ("ok", ()) if outcomes["donates"] or outcomes["backend"] != "native" else (BAD, fragments)
+        expected, fragments = (BAD, fragments) if outcomes["first_bin_refused"] else ("ok", ())
     if expected == BAD:
         assert all(o.bad_sample_error for o in ranks), (kind, message)
     elif expected == CONFIG:
@@ -478,15 +483,7 @@ def test_every_accepted_sample_layout_packs_the_same(outcomes: dict, name: str, 
 
 PIPELINE_STAGES = 3
 """Enough pipeline stages for a middle one, which loads no data where the first and last stages load it."""
-PIPELINE_CASES = [
-    (BadInput("good input", dp_rank=None), "ok"),
-    (
-        BadInput("only the first bin holds two sequences", "shortest", index=-1, dp_rank=0, elsewhere="at_capacity"),
-        FIRST_BIN,
-    ),
-    (BadInput("one sequence more than DP can share", "two_at_capacity", index=0, elsewhere="at_capacity"), BAD),
-    (BadInput("good input after them", dp_rank=None), "ok"),
-]
+ROUNDING_CASES = ("only the first bin holds two sequences", "one sequence more than DP can share")
 
 
 def test_every_pipeline_stage_raises_a_step_the_scheduler_cannot_round():
@@ -495,26 +492,24 @@ def test_every_pipeline_stage_raises_a_step_the_scheduler_cannot_round():
     dp_balanced cannot round fails on every rank of every stage with the same error, and the next good step runs
     (the table runs every case at TP 1 with three stages)."""
     layout = Layout(2, 1, 2)
-    cases = [case for case, _ in PIPELINE_CASES]
+    table = {case.name: (case, expected) for case, expected, _ in CASES}
+    played = [table[name] for name in ROUNDING_CASES] + [table["good input"]]
     world = PIPELINE_STAGES * layout.world_size
     per_rank = launch(
         bad_inputs_on_rank,
         world,
-        args=(layout, cases, BASE, PIPELINE_STAGES),
+        args=(layout, [case for case, _ in played], BASE, PIPELINE_STAGES),
         sys_path=SYS_PATH,
         timeout=240,
         pg_timeout=20,
     )
-    generation = GENERATIONS.get(per_rank[0]["generation"] or "")
-    refuses_first_bin = per_rank[0]["backend"] == "native" and generation is not None
-    refuses_first_bin = refuses_first_bin and generation.dp_balanced_first_bin_donates is False
-    for case, expected in PIPELINE_CASES:
+    for case, expected in played:
         ranks = [o for result in per_rank for o in result["outcomes"] if o.name == case.name]
         assert len(ranks) == world
         seen = {(o.kind, o.message) for o in ranks}
         assert len(seen) == 1, f"ranks disagree on {case.name}: {seen}"
         if expected == FIRST_BIN:
-            expected = BAD if refuses_first_bin else "ok"
+            expected = BAD if _first_bin_refused(per_rank) else "ok"
         if expected == BAD:
             assert all(o.bad_sample_error for o in ranks), seen
             assert "use more samples" in ranks[0].message
