@@ -184,9 +184,9 @@ def wrap_data_iterator_for_global_batch_packing(
     wrap_data_iterator, _ = portable_api or _scheduler_api()
     iterator = _iterator_for_tp_rank(data_iterator, pg_collection)
     own_scheduler = portable_api is None and _scheduler_api is _PIN_SCHEDULER_API
-    portable = portable_api is not None or (own_scheduler and chosen.backend == "portable")
-    if iterator is not None and not portable and not chosen.rank_loads_data(pg_collection):
-        iterator = None  # Megatron-Core's scheduler takes None there; the portable one keeps it to know it at fetch
+    foreign = portable_api is None and not own_scheduler  # a scheduler API set in place of the pin's own
+    if iterator is not None and foreign and not chosen.rank_loads_data(pg_collection):
+        iterator = None  # it takes None there; the adapters pick the loading ranks themselves and keep the iterator
     checked_iterator = getattr(chosen, "checked_iterator", None) if own_scheduler else None
     if checked_iterator is not None:  # native pins: every rank agrees on the step's samples before MCore runs
         iterator = checked_iterator(iterator, model_config, num_microbatches, pg_collection)

@@ -42,10 +42,14 @@ SCHEDULER_PATHS = (
 on: a commit that touches them may change what detection sees."""
 
 
-def _git(*args: str) -> bytes:
+def _git_command(*args: str) -> list[str]:
     assert REPO is not None
     git_dir = Path(REPO) / ".git" if (Path(REPO) / ".git").exists() else Path(REPO)
-    return subprocess.run(["git", f"--git-dir={git_dir}", *args], capture_output=True, check=True).stdout
+    return ["git", f"--git-dir={git_dir}", *args]
+
+
+def _git(*args: str) -> bytes:
+    return subprocess.run(_git_command(*args), capture_output=True, check=True).stdout
 
 
 def tree(rev: str) -> Path:
@@ -90,7 +94,6 @@ def _commit_time(rev: str) -> int:
 
 
 def _is_ancestor(ancestor: str, rev: str) -> bool:
-    assert REPO is not None
-    git_dir = Path(REPO) / ".git" if (Path(REPO) / ".git").exists() else Path(REPO)
-    args = ["git", f"--git-dir={git_dir}", "merge-base", "--is-ancestor", ancestor, rev]
-    return subprocess.run(args, capture_output=True).returncode == 0
+    return (
+        subprocess.run(_git_command("merge-base", "--is-ancestor", ancestor, rev), capture_output=True).returncode == 0
+    )
