@@ -376,6 +376,9 @@ def _unpacked(raw: Mapping[str, Any], rank: int, index: int, limits: Limits) -> 
 
 _INT32 = torch.int32
 _ONE = torch.Size((1,))
+_PLAIN_KEYS = (frozenset(REQUIRED_SAMPLE_KEYS), frozenset(REQUIRED_SAMPLE_KEYS) - {"original_seq_len"})
+"""The keys of a plain sample: the contract's, with or without ``original_seq_len``."""
+_TENSOR = torch.Tensor
 
 
 def _plain_unpacked(raw: dict[str, Any], limits: Limits) -> Sample | None:
@@ -387,34 +390,58 @@ def _plain_unpacked(raw: dict[str, Any], limits: Limits) -> Sample | None:
     """
     padded_len, original_len = raw["padded_seq_len"], raw.get("original_seq_len", raw["padded_seq_len"])
     if not (
-        type(padded_len) is torch.Tensor
-        and type(original_len) is torch.Tensor
+        type(padded_len) is _TENSOR
+        and type(original_len) is _TENSOR
         and padded_len.dtype is _INT32
         and original_len.dtype is _INT32
         and padded_len.shape == _ONE
         and original_len.shape == _ONE
+        and not padded_len.is_meta
+        and not original_len.is_meta
     ):
         return None
     padded, original = int(padded_len.item()), int(original_len.item())
     if not 1 <= original <= padded or padded % limits.align or (limits.capacity or padded) < padded:
         return None
+    shape = (padded,)
     fields: dict[str, torch.Tensor] = {}
     for key, dtype, _ in _TOKEN_CHECKS:
         value = raw.get(key)
         if not (
-            type(value) is torch.Tensor
+            type(value) is _TENSOR
             and value.dtype is dtype
-            and value.dim() == 1
-            and value.numel() == padded
+            and value.shape == shape
             and value.layout is _STRIDED
             and not value.is_meta
             and not value.requires_grad
         ):
             return None
         fields[key] = value
-    if _wrong_position(fields["position_ids"], 0, original) is not None:
+    ids = fields["position_ids"]
+    if ids.is_cpu and ids.is_contiguous() and _memcmp is not None and original <= _cpu_counting.numel():
+        if _memcmp(ids.data_ptr(), _cpu_counting.data_ptr(), original * _INT64_BYTES):
+            return None
+    elif _wrong_position(ids, 0, original) is not None:
         return None
     return Sample(fields, original, padded)
+
+
+def _leading_plain(raw_samples: list[dict[str, Any]], limits: Limits) -> list[Sample]:
+    """The sequences of the leading run of plain samples (only the contract's keys, see :func:`_plain_unpacked`):
+    the whole step in the common case, checked without the per-sample dispatch of :func:`check_items`."""
+    samples: list[Sample] = []
+    plain_keys = _PLAIN_KEYS
+    for raw in raw_samples:
+        if type(raw) is not dict or raw.keys() not in plain_keys:
+            break
+        try:
+            sample = _plain_unpacked(raw, limits)
+        except Exception:  # noqa: BLE001 - the per-sample checks name what raised
+            break
+        if sample is None:
+            break
+        samples.append(sample)
+    return samples
 
 
 def _bounds(raw: Mapping[str, Any], key: str, rank: int, index: int) -> tuple[list[int] | None, list[int]]:
@@ -503,10 +530,13 @@ def check_items(items: list[Any], rank: int, limits: Limits) -> tuple[list[Sampl
             raw_samples.extend(item)
         else:
             return [], record(Problem.BAD_ITEM, rank, a=index, b=_item_kind(item)), None, False
-    samples: list[Sample] = []
-    first_form = None
-    plain = True
-    for index, raw in enumerate(raw_samples):
+    samples = _leading_plain(raw_samples, limits)
+    if len(samples) == len(raw_samples):
+        return samples, OK, None, True
+    first_form = "unpacked" if samples else None
+    plain = False
+    for index in range(len(samples), len(raw_samples)):
+        raw = raw_samples[index]
         try:
             form = sample_form(raw)
             if form is None and "cu_seqlens" not in raw:
@@ -518,9 +548,7 @@ def check_items(items: list[Any], rank: int, limits: Limits) -> tuple[list[Sampl
             sample = _plain_unpacked(raw, limits) if form == "unpacked" else None
             if sample is not None:
                 samples.append(sample)
-                plain = plain and len(raw) == len(REQUIRED_SAMPLE_KEYS) - ("original_seq_len" not in raw)
                 continue
-            plain = False
             found, verdict = (_unpacked if form == "unpacked" else _prepacked)(raw, rank, index, limits)
         except Exception as exc:  # noqa: BLE001 - reported on every rank, re-raised here as the cause
             return [], _check_failure(raw, rank, index, exc), exc, False

@@ -1,7 +1,8 @@
 """The one-pass check of plain unpacked samples accepts a subset of what the field-by-field checks accept.
 
-Every sample of the bad-input table's mutations, and every item layout the test harness builds, gets the
-same verdict, the same sequences and the same cause with the one-pass check as without it.
+Every sample of the bad-input table's mutations (at the first, a middle or the last place of the step), and
+every item layout the test harness builds, gets the same verdict, the same sequences and the same cause with the
+one-pass check as without it.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from mcore_compat import contract
-from mcore_compat.contract import Limits, check_items
+from mcore_compat.contract import TOKEN_KEYS, Limits, check_items
 from mcore_compat.testing.samples import ITEM_LAYOUTS, SampleSpec
 from tests.bad_input_ranks import ITERATOR_MUTATIONS, mutate
 from tests.test_bad_input import CASES
@@ -31,16 +32,18 @@ def _items(mutation: str | None, layout: str = "plain", index: int = 1) -> list:
 
 def _outcome(items: list) -> tuple:
     samples, verdict, cause, _ = check_items(items, 0, Limits(ALIGN, CAPACITY))
-    sequences = [(s.original, s.padded, {k: v.tolist() for k, v in s.fields.items()}) for s in samples]
+    sequences = [(s.original, s.padded, {k: s.fields[k].tolist() for k in TOKEN_KEYS}) for s in samples]
     return verdict, sequences, type(cause)
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # torch warns that nested tensors are a prototype
+@pytest.mark.parametrize("index", [0, 1, 3])
 @pytest.mark.parametrize("mutation", [None, *MUTATIONS])
-def test_the_one_pass_check_agrees_with_the_field_by_field_checks(mutation, monkeypatch):
-    one_pass = _outcome(_items(mutation))
+def test_the_one_pass_check_agrees_with_the_field_by_field_checks(mutation, index, monkeypatch):
+    """The first, a middle or the last sample mutated: the leading plain run ends there."""
+    one_pass = _outcome(_items(mutation, index=index))
     monkeypatch.setattr(contract, "_plain_unpacked", lambda raw, limits: None)
-    assert _outcome(_items(mutation)) == one_pass
+    assert _outcome(_items(mutation, index=index)) == one_pass
 
 
 @pytest.mark.parametrize("layout", ITEM_LAYOUTS)

@@ -335,18 +335,19 @@ class NativeSchedulerAdapter(PackingAdapter):
         :meth:`check_fetched` raises the problem on every TP rank after it.
         """
         if self._packed_count is None:
-            return data_iterator, list(OK)
+            return data_iterator, OK
         done = self._fetched.get(vp_stage, 0)
         if done >= self._packed_count:
             raise_if_bad(record(Problem.PACKED_EXHAUSTED, a=self._packed_count))
         self._fetched[vp_stage] = done + 1
-        problem = list(OK)
-        if data_iterator is None and any(it is not None for it in self._packed):
-            problem = record(Problem.PACKED_NO_ITERATOR)
-        elif any(data_iterator is it for it in self._consumed):
-            problem = record(Problem.PACKED_RAW_ITERATOR)
-        if problem == OK:
-            return data_iterator, problem
+        if data_iterator is None:
+            refused = any(it is not None for it in self._packed)
+            problem = record(Problem.PACKED_NO_ITERATOR) if refused else OK
+        else:
+            consumed = any(data_iterator is it for it in self._consumed)
+            problem = record(Problem.PACKED_RAW_ITERATOR) if consumed else OK
+        if problem is OK:
+            return data_iterator, OK
         marked = self._marked_microbatch(vp_stage, problem) if pg_collection.tp.size() > 1 else None
         if marked is None:
             raise_if_bad(problem)
@@ -367,7 +368,8 @@ class NativeSchedulerAdapter(PackingAdapter):
     def check_fetched(batch: tuple[Any, ...], problem: list[int]) -> None:
         """After Megatron-Core's fetch: raise this rank's own problem, or the one its TP rank 0 marked the
         microbatch with (see :meth:`fetch_source`)."""
-        raise_if_bad(problem)
+        if problem is not OK:
+            raise_if_bad(problem)
         params = batch[5] if len(batch) > 5 else None
         marked = int(getattr(params, "max_seqlen_q", None) or 0) - _FETCH_REFUSED
         if marked in (Problem.PACKED_NO_ITERATOR, Problem.PACKED_RAW_ITERATOR):
