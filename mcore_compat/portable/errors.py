@@ -55,7 +55,7 @@ _NUMERIC_SETTINGS = frozenset(
 )
 """Settings whose word is the value itself, so a message can show it (the others are a digest or a flag)."""
 
-DTYPES: tuple[torch.dtype, ...] = (
+_COMMON_DTYPES: tuple[torch.dtype, ...] = (
     torch.bool,
     torch.uint8,
     torch.int8,
@@ -67,7 +67,11 @@ DTYPES: tuple[torch.dtype, ...] = (
     torch.float32,
     torch.float64,
 )
-"""Dtypes a problem record can name, by index (anything else is reported as 'another dtype')."""
+DTYPES: tuple[torch.dtype, ...] = _COMMON_DTYPES + tuple(
+    sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)} - set(_COMMON_DTYPES), key=str)
+)
+"""Dtypes a problem record can name, by index: the common ones first, then every other dtype this torch defines
+(complex, float8, unsigned, ...) by name; every rank of a job runs the same torch, so the indices agree."""
 
 VERDICT_WIDTH = 6
 """``(code, rank, sample, a, b, c)``."""

@@ -309,3 +309,12 @@ def test_extra_keys_never_reach_megatron_core(form, accepted):
     assert (plain is base) == (
         form == "unpacked" and "unpacked" in accepted or form == "packed" and accepted == ("packed",)
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.uint16, torch.float8_e4m3fn])
+def test_a_rare_dtype_is_named_in_the_message(dtype):
+    batch = read_step(iter([sample(4, tokens=torch.zeros(4, dtype=dtype))]), 1, rank=0, cp_size=1)
+    assert batch.verdict[0] == Problem.BAD_DTYPE
+    assert f"'tokens' has dtype {dtype}; the data contract requires torch.int64" in str(
+        PortablePackingError(batch.verdict)
+    )
