@@ -322,7 +322,7 @@ def _wrong_position(ids: torch.Tensor, start: int, original: int) -> int | None:
     other devices, strided windows and tensor subclasses, and the offset of a mismatch, with torch.
     """
     global _cpu_counting
-    if _memcmp is not None and type(ids) is torch.Tensor and ids.is_cpu and ids.stride(0) == 1:
+    if _memcmp is not None and type(ids) is torch.Tensor and ids.is_cpu and ids.is_contiguous():
         if _cpu_counting.numel() < original:
             _cpu_counting = _positions(original, _CPU)
         if not _memcmp(ids.data_ptr() + start * _INT64_BYTES, _cpu_counting.data_ptr(), original * _INT64_BYTES):
@@ -417,11 +417,7 @@ def _plain_unpacked(raw: dict[str, Any], limits: Limits) -> Sample | None:
         ):
             return None
         fields[key] = value
-    ids = fields["position_ids"]
-    if ids.is_cpu and ids.is_contiguous() and _memcmp is not None and original <= _cpu_counting.numel():
-        if _memcmp(ids.data_ptr(), _cpu_counting.data_ptr(), original * _INT64_BYTES):
-            return None
-    elif _wrong_position(ids, 0, original) is not None:
+    if _wrong_position(fields["position_ids"], 0, original) is not None:
         return None
     return Sample(fields, original, padded)
 

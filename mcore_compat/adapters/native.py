@@ -368,8 +368,7 @@ class NativeSchedulerAdapter(PackingAdapter):
     def check_fetched(batch: tuple[Any, ...], problem: list[int]) -> None:
         """After Megatron-Core's fetch: raise this rank's own problem, or the one its TP rank 0 marked the
         microbatch with (see :meth:`fetch_source`)."""
-        if problem is not OK:
-            raise_if_bad(problem)
+        raise_if_bad(problem)
         params = batch[5] if len(batch) > 5 else None
         marked = int(getattr(params, "max_seqlen_q", None) or 0) - _FETCH_REFUSED
         if marked in (Problem.PACKED_NO_ITERATOR, Problem.PACKED_RAW_ITERATOR):
