@@ -56,6 +56,7 @@ from mcore_compat.adapters import select_adapter  # noqa: E402
 from mcore_compat.adapters.portable import PortableAdapter  # noqa: E402
 from mcore_compat.agreement import ROW_WIDTH  # noqa: E402
 from mcore_compat.capabilities import detect  # noqa: E402
+from mcore_compat.portable.exchange import all_gather_rows  # noqa: E402
 from mcore_compat.testing import (  # noqa: E402
     Case,
     Layout,
@@ -187,8 +188,7 @@ def _gather_then_unchecked(
 
 def _agreement_sized_all_gather() -> None:
     """One all-gather of a row as wide as the agreement's over the world, as the agreement issues it."""
-    row = torch.zeros(ROW_WIDTH, dtype=torch.int64)
-    dist.all_gather_single(torch.empty(dist.get_world_size() * ROW_WIDTH, dtype=torch.int64), row)
+    all_gather_rows(torch.zeros(ROW_WIDTH, dtype=torch.int64))
 
 
 STEPS: dict[str, Callable[..., tuple[int, list]]] = {

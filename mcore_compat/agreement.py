@@ -2,8 +2,9 @@
 
 Before the scheduler's first collective, each data-loading rank pulls its ``num_microbatches``
 items and checks them against :mod:`mcore_compat.contract`; then *every* rank of the job joins one
-small ``all_gather`` of a fixed-width row (its verdict, ``num_microbatches``, coordinates, a
-digest of its sequence lengths and the packing settings it read from its model config). The group
+small all-gather (:func:`~mcore_compat.portable.exchange.all_gather_rows`) of a fixed-width row (its
+verdict, ``num_microbatches``, coordinates, a digest of its sequence lengths and the packing settings it
+read from its model config). The group
 is the default (world) group: the ranks that could be left waiting on a failed rank span the DP x CP
 groups of the loading ranks, the TP groups that wait for their TP rank 0, and the PP stages that wait
 for each other at the trainer's next send/recv, which together are every rank. From the gathered rows
@@ -49,6 +50,7 @@ from mcore_compat.portable.errors import (
     ran_out,
     record,
 )
+from mcore_compat.portable.exchange import all_gather_rows
 from mcore_compat.runtime import settings_words
 
 __all__ = [
@@ -282,10 +284,7 @@ def agree(
     )
     words = row.words()
     if _distributed():
-        local = torch.tensor(words, dtype=torch.int64, device=_device())
-        out = torch.empty(dist.get_world_size() * ROW_WIDTH, dtype=torch.int64, device=local.device)
-        dist.all_gather_single(out, local)  # torch 2.13 deprecates all_gather_into_tensor for it
-        table = out.reshape(-1, ROW_WIDTH).cpu()
+        table = all_gather_rows(torch.tensor(words, dtype=torch.int64, device=_device())).cpu()
     else:
         table = torch.tensor([words], dtype=torch.int64)
     outcome = list(OK) if all_agree(table) else decide([Row.from_words(w) for w in table.tolist()])

@@ -1,7 +1,7 @@
 """The portable backend's collectives: few, batched, and carrying the verdict every rank raises on.
 
-Per step on a data-loading rank: one all-gather of lengths and status over DP x CP (a second one
-only when some rank holds more samples than ``num_microbatches``), one ``all_to_all_single`` of
+Per step on a data-loading rank: one all-gather (:func:`all_gather_rows`) of lengths and status over
+DP x CP (a second one only when some rank holds more samples than ``num_microbatches``), one ``all_to_all_single`` of
 packed sample payloads over DP, one broadcast over TP. Per microbatch: two broadcasts over TP
 (size, then one packed buffer), none at TP size 1.
 """
@@ -28,6 +28,23 @@ def group_device(group: dist.ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
+def all_gather_rows(local: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Every rank's 1-D ``local`` (the same length on every rank of ``group``), as ``[size, len]`` rows in group
+    rank order, with one collective.
+
+    On gloo that collective is an ``all_to_all_single`` of the row sent to every rank: gloo's all-gather is a ring
+    of ``size - 1`` dependent hops, while its all-to-all posts every exchange at once (4 ranks sharing 2 CPU cores:
+    about 2.5 ms against 3.8 ms). Other backends (NCCL) all-gather.
+    """
+    size = dist.get_world_size(group)
+    out = torch.empty(size * local.numel(), dtype=local.dtype, device=local.device)
+    if dist.get_backend(group) == "gloo":
+        dist.all_to_all_single(out, local.repeat(size), group=group)
+    else:
+        dist.all_gather_single(out, local, group=group)  # torch 2.13 deprecates all_gather_into_tensor for it
+    return out.reshape(size, -1)
+
+
 def group_source(group: dist.ProcessGroup) -> int:
     """Global rank of the group's rank 0 (the source of every broadcast here)."""
     return dist.get_process_group_ranks(group)[0]
@@ -49,9 +66,7 @@ def _all_gather_words(words: list[int], group: dist.ProcessGroup, device: torch.
     local = torch.tensor(words, dtype=torch.int64, device=device)
     if group.size() == 1:
         return local.reshape(1, -1).cpu()
-    out = torch.empty(group.size() * local.numel(), dtype=torch.int64, device=device)
-    dist.all_gather_single(out, local, group=group)  # torch 2.13 deprecates all_gather_into_tensor for it
-    return out.reshape(group.size(), -1).cpu()
+    return all_gather_rows(local, group).cpu()
 
 
 def gather_lengths(
