@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import functools
 import importlib
+import random
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -104,8 +105,88 @@ def _shared_buffer(sample: dict) -> dict:
     return {**sample, "tokens": buffer[:n], "labels": buffer[n:]}
 
 
+_TOKEN_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+_LENGTH_KEYS = ("original_seq_len", "padded_seq_len")
+_ANY_DTYPE = (
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex64,
+)
+
+
+class _Subclass(torch.Tensor):
+    """A tensor subclass a dataset might hand out."""
+
+
+def _random_field_defect(rng: random.Random, s: dict, capacity: int, align: int) -> dict:
+    """One random change of one field of an unpacked sample (most are defects, some are harmless)."""
+    s, n = dict(s), int(s["padded_seq_len"])
+    key, length = rng.choice(_TOKEN_KEYS), rng.choice(_LENGTH_KEYS)
+    value, kind = s[key], rng.randrange(9)
+    if kind == 0:
+        s[key] = value.to(rng.choice(_ANY_DTYPE))
+    elif kind == 1:
+        size = rng.choice([0, 1, n - 1, n + 1, n + align, 2 * n])
+        s[key] = torch.cat([value, value])[:size]
+    elif kind == 2:
+        s[key] = rng.choice(
+            [value.reshape(1, -1), value.reshape(-1, 1), value.repeat_interleave(2)[::2], value[:1].expand(n)]
+        )
+    elif kind == 3:
+        size = rng.choice([-1, 0, 1, n - 1, n + 1, capacity, capacity + align, 2**31 - 1, 2**40])
+        s[length] = torch.tensor([size], dtype=rng.choice([torch.int32, torch.int64]) if abs(size) < 2**31 else None)
+    elif kind == 4:
+        s[length] = s[length].to(rng.choice(_ANY_DTYPE))
+    elif kind == 5:
+        v = s[length]
+        s[length] = rng.choice([v.reshape(()), v.reshape(1, 1), v[:0], int(v), float(v), v.numpy(), v.tolist()])
+    elif kind == 6:
+        choice = rng.randrange(4)
+        if choice == 0:
+            del s[rng.choice((key, length))]
+        elif choice == 1:
+            s["cu_seqlens_padded"] = torch.tensor([0, n], dtype=torch.int32)
+        elif choice == 2:
+            s["note"] = object()
+        else:
+            s[1] = torch.zeros(1)
+    elif kind == 7:
+        changed = value.clone()
+        where = rng.randrange(max(changed.numel(), 1))
+        if changed.numel():
+            changed[where] = rng.choice([-1, 0, 2, 10**6]) if key != "loss_mask" else rng.choice([-1.0, 2.0, 0.5])
+        s[key] = changed
+    else:
+        s[key] = value.as_subclass(_Subclass) if rng.random() < 0.5 else value.to("meta")
+    return s
+
+
+def random_defect(seed: int, item: Any, capacity: int, align: int) -> Any:
+    """One or two random field changes (:func:`_random_field_defect`) of the sample, the same for a seed on every
+    rank: a family of inputs no case of the table spells out, to which every rank must answer alike."""
+    rng = random.Random(seed)
+    for _ in range(rng.choice((1, 1, 2))):
+        if not isinstance(item, dict) or "padded_seq_len" not in item:
+            break
+        try:
+            item = _random_field_defect(rng, item, capacity, align)
+        except (TypeError, ValueError, RuntimeError):  # a change torch refuses (e.g. int() of an empty length)
+            break
+    return item
+
+
 def mutate(name: str, item: Any, capacity: int, align: int) -> Any:
-    """The item with defect ``name`` (the item is one unpacked sample dict)."""
+    """The item with defect ``name`` (one unpacked sample dict); ``random:<seed>``: :func:`random_defect`."""
+    if name.startswith("random:"):
+        return random_defect(int(name.removeprefix("random:")), item, capacity, align)
     s = item
     n = int(s["padded_seq_len"]) if isinstance(s, dict) and "padded_seq_len" in s else 0
     table: dict[str, Callable[[], Any]] = {

@@ -378,10 +378,18 @@ def _layout_id(layout_and_stages: tuple[Layout, int]) -> str:
     return str(layout) if stages == 1 else f"{layout}-pp{stages}"
 
 
+RANDOM_DEFECTS = [
+    BadInput(f"random defect {seed}", f"random:{seed}", dp_rank=seed % 2, index=seed % 4) for seed in range(16)
+]
+"""Seeded random changes of one or two fields of one sample on one DP rank (both CP siblings): dtypes, shapes, views,
+length values, dtypes and types, keys dropped or added, values, subclasses and meta tensors; cases the table does not
+spell out, which every rank must answer alike."""
+
+
 @pytest.fixture(scope="module", params=LAYOUTS, ids=_layout_id)
 def outcomes(request: pytest.FixtureRequest) -> dict:
     layout, stages = request.param
-    cases = [case for case, _, _ in CASES]
+    cases = [case for case, _, _ in CASES] + RANDOM_DEFECTS
     world = layout.world_size * stages
     per_rank = launch(
         bad_inputs_on_rank, world, args=(layout, cases, BASE, stages), sys_path=SYS_PATH, timeout=240, pg_timeout=20
@@ -433,6 +441,22 @@ def test_every_rank_raises_the_same_clear_error(outcomes: dict, case: BadInput, 
         assert kind == expected, message
     for fragment in fragments:
         assert fragment in message, f"{fragment!r} not in: {message}"
+    assert max(o.seconds for o in ranks) < SECONDS
+
+
+@pytest.mark.parametrize("case", RANDOM_DEFECTS, ids=[c.name for c in RANDOM_DEFECTS])
+def test_a_random_defect_ends_alike_on_every_rank(outcomes: dict, case: BadInput):
+    """Either every rank packs the step or every rank raises the same ``BadSampleError``: never a raw error, a rank
+    left waiting, or a step that runs on some ranks only."""
+    ranks = outcomes["runs"][case.name]
+    assert len(ranks) == outcomes["world"]
+    seen = {(o.kind, o.message) for o in ranks}
+    assert len(seen) == 1, f"ranks disagree on {outcomes['backend']}: {seen}"
+    ((kind, message),) = seen
+    if kind == "ok":
+        assert {o.microbatches for o in ranks} != {0}
+    else:
+        assert all(o.bad_sample_error for o in ranks), (kind, message)
     assert max(o.seconds for o in ranks) < SECONDS
 
 
