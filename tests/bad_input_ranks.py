@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
+import numpy
 import torch
 import torch.distributed as dist
 
-from mcore_compat.errors import BadSampleError, PackingConfigError
+from mcore_compat.errors import BadSampleError, PackingConfigError, PackingError
 from mcore_compat.testing import Case, Layout, cpu_patches, model_config
 from mcore_compat.testing.runner import mpu_pg_collection
 from mcore_compat.testing.samples import prepack
@@ -183,6 +184,46 @@ def random_defect(seed: int, item: Any, capacity: int, align: int) -> Any:
     return item
 
 
+_SETTING_VALUES: dict[str, tuple[Any, ...]] = {
+    "sequence_packing_scheduler": (
+        "dp_balanced",
+        "default_dynamic_cp",
+        "balanced",
+        "DP_BALANCED",
+        "dp_balanced ",
+        None,
+        3,
+    ),
+    "max_seqlen_per_dp_cp_rank": (32, 64, 16, 0, -32, 32.0, None, "32", True, numpy.int64(32), torch.tensor(32), 2**40),
+    "dynamic_context_parallel": (True, False, None, 1, 0, "yes", "False", numpy.bool_(True)),
+    "min_dynamic_context_parallel_size": (1, 2, 3, 4, 0, -1, 2.0, None, "2", 8, numpy.int64(2)),
+    "thd_max_packed_sequences": (None, 1, 2, 8, 0, -1, 2.5, "8", True, numpy.int64(8)),
+    "pad_packed_seq_alignment": (None, 1, 8, 16, 0, -8, 8.0, "8", True, 3, 64),
+    "thd_tail_padding_policy": (None, "append_dummy_seq", "extend_last", "extend", 1),
+    "cp_partition_mode": ("zigzag", "contiguous", "ZIGZAG", None, 1),
+    "virtual_pipeline_model_parallel_size": (None, 1, 2, 0, 1.0),
+    "microbatch_group_size_per_vp_stage": (None, 1, 2, 4, 3, 0, -1),
+    "sequence_parallel": (True, False, "False", 1),
+    "cuda_graph_impl": ("none", "local", "full_iteration", None),
+}
+"""Values, good and bad, of the settings a packing step reads."""
+_MICROBATCH_COUNTS = (4, 3, 0, -1, 4.0, numpy.int64(4), True, None, "4", torch.tensor(4), 8, 1)
+
+
+def random_settings(seed: int) -> BadInput:
+    """One to three settings from :data:`_SETTING_VALUES` (and sometimes ``num_microbatches``), on every rank or on
+    DP rank 1 only, with static or dynamic CP: the same case for a seed on every rank."""
+    rng = random.Random(seed)
+    chosen = rng.sample(sorted(_SETTING_VALUES), rng.choice((1, 1, 2, 3)))
+    values = tuple((name, rng.choice(_SETTING_VALUES[name])) for name in chosen)
+    count = rng.choice(_MICROBATCH_COUNTS) if rng.random() < 0.2 else None
+    dynamic_cp, one_rank = rng.random() < 0.3, rng.random() < 0.4
+    name = f"random settings {seed}"
+    if one_rank:
+        return BadInput(name, rank_config=values, dp_rank=1, num_microbatches=count, dynamic_cp=dynamic_cp)
+    return BadInput(name, config=values, dp_rank=rng.choice((None, 1)), num_microbatches=count, dynamic_cp=dynamic_cp)
+
+
 def mutate(name: str, item: Any, capacity: int, align: int) -> Any:
     """The item with defect ``name`` (one unpacked sample dict); ``random:<seed>``: :func:`random_defect`."""
     if name.startswith("random:"):
@@ -333,6 +374,7 @@ class Outcome:
     message: str
     bad_sample_error: bool = False
     config_error: bool = False
+    packing_error: bool = False
     seconds: float = 0.0
     microbatches: int = 0
     fetch: tuple[str, str] = ("skipped", "")
@@ -397,6 +439,7 @@ def _run(bad: BadInput, case: Case, pg: Any, rank: int) -> Outcome:
         outcome.kind, outcome.message = type(exc).__name__, str(exc)
         outcome.bad_sample_error = isinstance(exc, BadSampleError)
         outcome.config_error = isinstance(exc, PackingConfigError)
+        outcome.packing_error = isinstance(exc, PackingError)
     outcome.seconds = time.perf_counter() - start
     if outcome.kind == "ok" and bad.extra_fetch:
         try:

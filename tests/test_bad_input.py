@@ -12,7 +12,7 @@ import pytest
 
 from mcore_compat.generations import GENERATIONS
 from mcore_compat.testing import Layout, launch, locate_mcore
-from tests.bad_input_ranks import BadInput, bad_inputs_on_rank
+from tests.bad_input_ranks import BadInput, bad_inputs_on_rank, random_settings
 
 SYS_PATH, NO_MCORE = locate_mcore()
 pytestmark = pytest.mark.skipif(NO_MCORE is not None, reason=NO_MCORE or "")
@@ -384,12 +384,15 @@ RANDOM_DEFECTS = [
 """Seeded random changes of one or two fields of one sample on one DP rank (both CP siblings): dtypes, shapes, views,
 length values, dtypes and types, keys dropped or added, values, subclasses and meta tensors; cases the table does not
 spell out, which every rank must answer alike."""
+RANDOM_SETTINGS = [random_settings(seed) for seed in range(16)]
+"""Seeded random packing settings, good and bad (wrong types, values, spellings), on every rank or on one, with
+static or dynamic CP (:func:`~tests.bad_input_ranks.random_settings`)."""
 
 
 @pytest.fixture(scope="module", params=LAYOUTS, ids=_layout_id)
 def outcomes(request: pytest.FixtureRequest) -> dict:
     layout, stages = request.param
-    cases = [case for case, _, _ in CASES] + RANDOM_DEFECTS
+    cases = [case for case, _, _ in CASES] + RANDOM_DEFECTS + RANDOM_SETTINGS
     world = layout.world_size * stages
     per_rank = launch(
         bad_inputs_on_rank, world, args=(layout, cases, BASE, stages), sys_path=SYS_PATH, timeout=240, pg_timeout=20
@@ -457,6 +460,22 @@ def test_a_random_defect_ends_alike_on_every_rank(outcomes: dict, case: BadInput
         assert {o.microbatches for o in ranks} != {0}
     else:
         assert all(o.bad_sample_error for o in ranks), (kind, message)
+    assert max(o.seconds for o in ranks) < SECONDS
+
+
+@pytest.mark.parametrize("case", RANDOM_SETTINGS, ids=[c.name for c in RANDOM_SETTINGS])
+def test_random_settings_end_alike_on_every_rank(outcomes: dict, case: BadInput):
+    """Either every rank packs the step or every rank raises the same packing error (a config error, an unsupported
+    pin, or bad samples where the settings make them so): never a raw error or a rank left waiting."""
+    ranks = outcomes["runs"][case.name]
+    assert len(ranks) == outcomes["world"]
+    seen = {(o.kind, o.message) for o in ranks}
+    assert len(seen) == 1, f"ranks disagree on {outcomes['backend']}: {seen}"
+    ((kind, message),) = seen
+    if kind == "ok":
+        assert {o.microbatches for o in ranks} != {0}
+    elif kind != "skipped":
+        assert all(o.packing_error for o in ranks), (kind, message)
     assert max(o.seconds for o in ranks) < SECONDS
 
 
