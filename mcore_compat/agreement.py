@@ -1,16 +1,16 @@
 """One agreement point per packing step: every rank raises the same error, or every rank proceeds.
 
-Before the scheduler's first collective, each data-loading rank pulls its ``num_microbatches``
-items and checks them against :mod:`mcore_compat.contract`; then *every* rank of the job joins one
-small all-gather (:func:`~mcore_compat.portable.exchange.all_gather_rows`) of a fixed-width row (its
-verdict, ``num_microbatches``, coordinates, a digest of its sequence lengths and the packing settings it
-read from its model config). The group
-is the default (world) group: the ranks that could be left waiting on a failed rank span the DP x CP
-groups of the loading ranks, the TP groups that wait for their TP rank 0, and the PP stages that wait
-for each other at the trainer's next send/recv, which together are every rank. From the gathered rows
-every rank computes the same verdict (:func:`decide`) and raises
-:class:`~mcore_compat.portable.errors.PortablePackingError` (a :class:`~mcore_compat.errors.BadSampleError`)
-for bad data, :class:`~mcore_compat.portable.errors.AgreedConfigError` (a
+Before the scheduler's first collective, each data-loading rank pulls its ``num_microbatches`` items and
+checks them against :mod:`mcore_compat.contract`; then *every* rank of the job joins one small
+all-gather (:func:`~mcore_compat.portable.exchange.all_gather_rows`) of a fixed-width row (its verdict,
+``num_microbatches``, coordinates, a digest of its sequence lengths and the packing settings it read
+from its model config). The group is the default (world) group: the ranks that could be left waiting on
+a failed rank span the DP x CP groups of the loading ranks, the TP groups that wait for their TP rank 0,
+and the PP stages that wait for each other at the trainer's next send/recv, which together are every
+rank. From the gathered rows every rank computes the same verdict (:func:`decide`) and raises
+:class:`~mcore_compat.portable.errors.PortablePackingError` (a
+:class:`~mcore_compat.errors.BadSampleError`) for bad data,
+:class:`~mcore_compat.portable.errors.AgreedConfigError` (a
 :class:`~mcore_compat.errors.PackingConfigError`) for per-step arguments or settings that are wrong on
 some rank, or ``StopIteration`` when the data ran out on every loading rank at once, before anything
 else can hang.

@@ -1,9 +1,9 @@
 """The portable backend's collectives: few, batched, and carrying the verdict every rank raises on.
 
 Per step on a data-loading rank: one all-gather (:func:`all_gather_rows`) of lengths and status over
-DP x CP (a second one only when some rank holds more samples than ``num_microbatches``), one ``all_to_all_single`` of
-packed sample payloads over DP, one broadcast over TP. Per microbatch: two broadcasts over TP
-(size, then one packed buffer), none at TP size 1.
+DP x CP (a second one only when some rank holds more samples than ``num_microbatches``), one
+``all_to_all_single`` of packed sample payloads over DP, one broadcast over TP. Per microbatch: two
+broadcasts over TP (size, then one packed buffer), none at TP size 1.
 """
 
 from __future__ import annotations
