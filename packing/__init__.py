@@ -227,7 +227,7 @@ def get_batch_for_global_batch_packing(
     iterator, problem = _iterator_for_tp_rank(data_iterator, pg_collection), None
     fetch_source = getattr(chosen, "fetch_source", None)
     if fetch_source is not None and portable_api is None and _scheduler_api is _PIN_SCHEDULER_API:
-        iterator, problem = fetch_source(vp_stage, iterator, pg_collection)
+        iterator, problem = fetch_source(vp_stage, iterator, pg_collection, model_config)
     accepted = _accepted_parameters(fetch)
     optional: dict[str, Any] = {}
     if "dynamic_cp" in accepted:
@@ -246,7 +246,7 @@ def get_batch_for_global_batch_packing(
     )
     check_fetched = getattr(chosen, "check_fetched", None)
     if check_fetched is not None and problem is not None:  # a refused fetch raises on every TP rank, after the fetch
-        check_fetched(batch, problem)
+        check_fetched(batch, problem, model_config)
     tokens, labels, loss_mask, attention_mask, position_ids, packed_seq_params, padding_mask = batch + (None,) * (
         len(PackedBatch._fields) - len(batch)
     )

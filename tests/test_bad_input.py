@@ -32,11 +32,22 @@ Megatron-Core's other TP ranks cannot tell, and wait in its broadcast; the porta
 SECONDS = 10.0
 DYNAMIC = (("dynamic_context_parallel", True), ("sequence_packing_scheduler", "default_dynamic_cp"))
 
+STATIC_THD = (("pad_packed_seq_alignment", 8), ("thd_max_packed_sequences", 8))
+STATIC_THD_MAX = (
+    ("pad_packed_seq_alignment", "max"),
+    ("thd_max_packed_sequences", 8),
+    ("thd_tail_padding_policy", "extend_last"),
+)
+"""THD padding to a static sequence capacity (as for CUDA graphs): Megatron-Core's fetch replaces ``max_seqlen``."""
+
 BAD = "BadSampleError"
 CONFIG = "PackingConfigError"
 FIRST_BIN = "refused where dp_balanced never splits its first bin"
 """A good step that Megatron-Core's dp_balanced cannot round where its first bin never donates (main): refused
 on every rank (BAD) there; packed everywhere else."""
+PADDED = "refused where the backend does not pad packed microbatches"
+"""A bad input under THD padding (``pad_packed_seq_alignment``): the portable backend refuses the setting on every
+rank (naming it); where Megatron-Core's fetch pads, BAD with the case's fragments."""
 
 # (case, expected: BAD / CONFIG / "StopIteration" / "ValueError" / "ok", fragments every message must hold)
 CASES: list[tuple[BadInput, str, tuple[str, ...]]] = [
@@ -368,6 +379,21 @@ CASES: list[tuple[BadInput, str, tuple[str, ...]]] = [
         BAD,
         ("data_iterator=None on TP rank 0", "pass that iterator"),
     ),
+    (
+        BadInput("fetch from None on TP rank 0, static THD capacity", fetch_from="none", config=STATIC_THD),
+        PADDED,
+        ("data_iterator=None on TP rank 0", "pass that iterator"),
+    ),
+    (
+        BadInput("fetch from the consumed sample iterator, static THD capacity", fetch_from="raw", config=STATIC_THD),
+        PADDED,
+        ("get_batch_for_global_batch_packing", "pass the", "wrap_data_iterator_for_global_batch_packing"),
+    ),
+    (
+        BadInput("fetch from None on TP rank 0, padded to the maximum", fetch_from="none", config=STATIC_THD_MAX),
+        PADDED,
+        ("data_iterator=None on TP rank 0", "pass that iterator"),
+    ),
     (BadInput("good input", dp_rank=None), "ok", ()),
     (BadInput("good input, dynamic CP", dp_rank=None, dynamic_cp=True), "ok", ()),
 ]
@@ -434,6 +460,12 @@ def test_every_rank_raises_the_same_clear_error(outcomes: dict, case: BadInput, 
         return
     if expected == FIRST_BIN:
         expected, fragments = (BAD, fragments) if outcomes["first_bin_refused"] else ("ok", ())
+    if expected == PADDED:
+        expected, fragments = (
+            ("UnsupportedPinError", ("pad_packed_seq_alignment",))
+            if outcomes["backend"] == "portable"
+            else (BAD, fragments)
+        )
     if expected == BAD:
         assert all(o.bad_sample_error for o in ranks), (kind, message)
     elif expected == CONFIG:

@@ -51,6 +51,10 @@ _FETCH_REFUSED = 1 << 30
 """Added to a refused fetch's problem in the ``max_seqlen`` TP rank 0 hands Megatron-Core's fetch (no real bin
 holds a sequence of 2**30 tokens); the other TP ranks read it back from ``PackedSeqParams.max_seqlen_q`` (THD padding
 keeps the larger value; padding to ``thd_max_packed_sequences`` replaces it)."""
+_REFUSED_FETCHES = (Problem.PACKED_NO_ITERATOR, Problem.PACKED_RAW_ITERATOR)
+"""The refused fetches, by index: where Megatron-Core pads the microbatch (``pad_packed_seq_alignment`` set), the
+mark also rides in ``cu_seqlens``, which the padding only extends: ``[-1 - index, 0, ..., 0]`` (every real
+``cu_seqlens`` starts at 0; the zeros keep each sequence's real length at most 2, within any padding target)."""
 _ROUNDING_FAILED = -1
 """The microbatch count a TP rank 0 whose scheduler could not round its bins sends its other TP ranks."""
 _EVERY_STAGE_FIELDS = ("pipeline_model_parallel_layout", "mtp_num_layers")
@@ -300,10 +304,10 @@ class NativeSchedulerAdapter(PackingAdapter):
         if "config" in self.facts.fetch_keywords:
             kwargs["config"] = model_config
         iterator, problem = self.fetch_source(
-            vp_stage, data_iterator if pg_collection.tp.rank() == 0 else None, pg_collection
+            vp_stage, data_iterator if pg_collection.tp.rank() == 0 else None, pg_collection, model_config
         )
         batch = tuple(self._fetch(iterator, **kwargs))
-        self.check_fetched(batch, problem)
+        self.check_fetched(batch, problem, model_config)
         return PackedBatch(*batch, *(None,) * (FETCH_ARITY - len(batch)))
 
     def finalize(
@@ -324,15 +328,18 @@ class NativeSchedulerAdapter(PackingAdapter):
         self._packed = per_stage(packed)
         self._consumed = [it for it in per_stage(consumed) if it is not None]
 
-    def fetch_source(self, vp_stage: int | None, data_iterator: Any, pg_collection: Any) -> tuple[Any, list[int]]:
+    def fetch_source(
+        self, vp_stage: int | None, data_iterator: Any, pg_collection: Any, model_config: Any = None
+    ) -> tuple[Any, list[int]]:
         """What Megatron-Core's fetch gets on this rank, and this fetch's problem (OK where none).
 
         A fetch past the microbatch count ``wrap`` returned raises ``StopIteration`` here, on every TP rank (every
         rank knows the count: MCore broadcasts it). On TP rank 0, ``data_iterator`` None where ``wrap`` returned a
         packed iterator, or the sample iterator ``wrap`` consumed, is refused: at TP size 1 it raises here; with TP
         the other TP ranks cannot tell, so the fetch still runs, on this stage's next packed microbatch with its
-        ``max_seqlen`` set to :data:`_FETCH_REFUSED` plus the problem, which MCore's broadcast carries to them, and
-        :meth:`check_fetched` raises the problem on every TP rank after it.
+        ``max_seqlen`` set to :data:`_FETCH_REFUSED` plus the problem (and, where ``model_config`` pads packed
+        microbatches, ``cu_seqlens`` marked as :data:`_REFUSED_FETCHES` says), which MCore's broadcast carries to
+        them, and :meth:`check_fetched` raises the problem on every TP rank after it.
         """
         if self._packed_count is None:
             return data_iterator, OK
@@ -348,31 +355,51 @@ class NativeSchedulerAdapter(PackingAdapter):
             problem = record(Problem.PACKED_RAW_ITERATOR) if consumed else OK
         if problem is OK:
             return data_iterator, OK
-        marked = self._marked_microbatch(vp_stage, problem) if pg_collection.tp.size() > 1 else None
+        pads = _pads_microbatches(model_config)
+        marked = self._marked_microbatch(vp_stage, problem, pads) if pg_collection.tp.size() > 1 else None
         if marked is None:
             raise_if_bad(problem)
         return iter([marked]), problem
 
-    def _marked_microbatch(self, vp_stage: int | None, problem: list[int]) -> dict[str, Any] | None:
-        """This stage's next packed microbatch with ``max_seqlen`` marking ``problem``, or None where none is left."""
+    def _marked_microbatch(self, vp_stage: int | None, problem: list[int], pads: bool) -> dict[str, Any] | None:
+        """This stage's next packed microbatch with ``max_seqlen`` (and ``cu_seqlens`` where Megatron-Core ``pads``
+        it) marking ``problem``, or None where none is left."""
         packed = self._packed[vp_stage or 0] if len(self._packed) > (vp_stage or 0) else None
         microbatch = next(packed, None) if packed is not None else None
         if not isinstance(microbatch, dict) or "max_seqlen" not in microbatch:
             return None
         mark = _FETCH_REFUSED + int(problem[0])
         original = microbatch["max_seqlen"]
-        marked = torch.full_like(original, mark) if isinstance(original, torch.Tensor) else mark
-        return {**microbatch, "max_seqlen": marked}
+        marked = {
+            **microbatch,
+            "max_seqlen": torch.full_like(original, mark) if isinstance(original, torch.Tensor) else mark,
+        }
+        bounds = microbatch.get("cu_seqlens")
+        if pads and isinstance(bounds, torch.Tensor) and bounds.numel() >= 2:
+            start = torch.zeros_like(bounds)
+            start[0] = -1 - _REFUSED_FETCHES.index(Problem(int(problem[0])))
+            marked["cu_seqlens"] = start
+        return marked
 
     @staticmethod
-    def check_fetched(batch: tuple[Any, ...], problem: list[int]) -> None:
+    def check_fetched(batch: tuple[Any, ...], problem: list[int], model_config: Any = None) -> None:
         """After Megatron-Core's fetch: raise this rank's own problem, or the one its TP rank 0 marked the
         microbatch with (see :meth:`fetch_source`)."""
         raise_if_bad(problem)
         params = batch[5] if len(batch) > 5 else None
         marked = int(getattr(params, "max_seqlen_q", None) or 0) - _FETCH_REFUSED
-        if marked in (Problem.PACKED_NO_ITERATOR, Problem.PACKED_RAW_ITERATOR):
+        if marked in _REFUSED_FETCHES:
             raise_if_bad(record(Problem(marked)))
+        bounds = getattr(params, "cu_seqlens_q", None)
+        if _pads_microbatches(model_config) and isinstance(bounds, torch.Tensor) and bounds.numel():
+            start = int(bounds[0])
+            if -len(_REFUSED_FETCHES) <= start < 0:
+                raise_if_bad(record(_REFUSED_FETCHES[-1 - start]))
+
+
+def _pads_microbatches(model_config: Any) -> bool:
+    """Whether Megatron-Core's fetch pads each packed microbatch (THD padding, which may replace ``max_seqlen``)."""
+    return getattr(model_config, "pad_packed_seq_alignment", None) is not None
 
 
 def _replace(iterators: Any, position: int, replay: Any) -> list[Any]:
