@@ -33,12 +33,14 @@ SECONDS = 10.0
 DYNAMIC = (("dynamic_context_parallel", True), ("sequence_packing_scheduler", "default_dynamic_cp"))
 
 STATIC_THD = (("pad_packed_seq_alignment", 8), ("thd_max_packed_sequences", 8))
+"""THD padding to a multiple and a static sequence capacity (as for CUDA graphs): Megatron-Core's fetch replaces
+``max_seqlen``."""
 STATIC_THD_MAX = (
     ("pad_packed_seq_alignment", "max"),
     ("thd_max_packed_sequences", 8),
     ("thd_tail_padding_policy", "extend_last"),
 )
-"""THD padding to a static sequence capacity (as for CUDA graphs): Megatron-Core's fetch replaces ``max_seqlen``."""
+"""The same, padded to ``max_seqlen_per_dp_cp_rank`` with the tail added to the last sequence."""
 
 BAD = "BadSampleError"
 CONFIG = "PackingConfigError"
