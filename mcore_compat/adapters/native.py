@@ -329,7 +329,7 @@ class NativeSchedulerAdapter(PackingAdapter):
         self._consumed = [it for it in per_stage(consumed) if it is not None]
 
     def fetch_source(
-        self, vp_stage: int | None, data_iterator: Any, pg_collection: Any, model_config: Any = None
+        self, vp_stage: int | None, data_iterator: Any, pg_collection: Any, model_config: Any
     ) -> tuple[Any, list[int]]:
         """What Megatron-Core's fetch gets on this rank, and this fetch's problem (OK where none).
 
@@ -382,7 +382,7 @@ class NativeSchedulerAdapter(PackingAdapter):
         return marked
 
     @staticmethod
-    def check_fetched(batch: tuple[Any, ...], problem: list[int], model_config: Any = None) -> None:
+    def check_fetched(batch: tuple[Any, ...], problem: list[int], model_config: Any) -> None:
         """After Megatron-Core's fetch: raise this rank's own problem, or the one its TP rank 0 marked the
         microbatch with (see :meth:`fetch_source`)."""
         raise_if_bad(problem)
