@@ -109,7 +109,9 @@ def _inferred(caps: Capabilities) -> Generation:
     """Generation facts read off the features of an MCore that matches no row of the table.
 
     The rules hold for every row (``tests/test_generations.py``): data on every PP stage once the scheduler
-    no longer broadcasts to middle stages; the dynamic-CP rename ends the flag-dispatched hybrid schedule.
+    no longer broadcasts to middle stages; the enum scheduler registry (main) pulls the virtual stage's iterator by
+    pipeline stage; the dev schedulers that broadcast to middle stages share packed samples between virtual stages;
+    the dynamic-CP rename ends the flag-dispatched hybrid schedule.
     """
     features = frozenset(caps.features)
     keywords = tuple(k for k in ("dynamic_cp", "config") if k in (caps.fetch_params or ()))
@@ -131,6 +133,12 @@ def _inferred(caps: Capabilities) -> Generation:
         pipeline_data_stages=(
             ("first_last" if "utils.broadcast_to_pp_group" in features else "every") if native else None
         ),
+        virtual_stage_source=(
+            ("by_pipeline_stage" if "registry.enum" in features else "first_present") if native else None
+        ),
+        virtual_stages_share_samples=native
+        and "utils.broadcast_to_pp_group" in features
+        and "registry.enum" not in features,
         sample_forms=("unpacked", "packed") if native else None,
         dynamic_cp_group_getter=caps.dynamic_cp_group_getter,
         dynamic_cp_schedulers=tuple(n for n in caps.scheduler_names if n == "default_dynamic_cp")

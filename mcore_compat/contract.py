@@ -142,20 +142,27 @@ class LocalBatch:
     lengths): a pin that takes unpacked samples reads the items as they are (:func:`convert_items` keeps them)."""
 
 
-def stage_source(data_iterator: Any, stages: int | None, rank: int) -> tuple[Any, int | None, list[int]]:
+def stage_source(
+    data_iterator: Any, stages: int | None, rank: int, entry: int | None = None
+) -> tuple[Any, int | None, list[int]]:
     """The iterator a data-loading rank pulls from, its index in the per-stage list, and a problem record.
 
     With virtual pipeline stages (``stages``: their number, when more than one) ``data_iterator`` is a
     list of one iterator (or None) per stage, as Megatron-Core's scheduler takes it; the step pulls from
-    the first that is not None.
+    entry ``entry`` (where the pin's scheduler takes a fixed one on this pipeline stage, which must not be
+    None), else from the first that is not None.
     """
     if stages is None:
         return data_iterator, None, OK
     if not isinstance(data_iterator, list | tuple) or len(data_iterator) != stages:
         given = len(data_iterator) if isinstance(data_iterator, list | tuple) else -1
         return None, None, record(Problem.NOT_PER_STAGE, rank, a=given, b=stages)
-    position = next((i for i, it in enumerate(data_iterator) if it is not None), None)
-    return (None, None, OK) if position is None else (data_iterator[position], position, OK)
+    if entry is not None:
+        if data_iterator[entry] is None:
+            return None, None, record(Problem.STAGE_ITERATOR_NONE, rank, a=entry, b=stages)
+        return data_iterator[entry], entry % stages, OK
+    first = next((i for i, it in enumerate(data_iterator) if it is not None), None)
+    return (None, None, OK) if first is None else (data_iterator[first], first, OK)
 
 
 def pull(data_iterator: Any, num_microbatches: int, rank: int) -> tuple[list[Any], list[int], BaseException | None]:

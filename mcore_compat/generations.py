@@ -45,6 +45,7 @@ __all__ = [
     "GENERATIONS",
     "Generation",
     "PipelineDataStages",
+    "VirtualStageSource",
     "SampleForm",
     "match",
 ]
@@ -76,6 +77,7 @@ PACKING_CONFIG_FIELDS = (
 CP_INIT_KEYWORDS = ("hybrid_context_parallel", "dynamic_context_parallel", "min_dynamic_context_parallel_size")
 
 PipelineDataStages = Literal["first_last", "every"]
+VirtualStageSource = Literal["first_present", "by_pipeline_stage"]
 SampleForm = Literal["unpacked", "packed"]
 ModelComponent = Literal["attention", "te_cp_stream", "mla", "mtp", "moe_aux_loss", "mamba"]
 MODEL_COMPONENTS: tuple[ModelComponent, ...] = ("attention", "te_cp_stream", "mla", "mtp", "moe_aux_loss", "mamba")
@@ -128,6 +130,15 @@ class Generation:
     fetch_arity: int | None = None
     pipeline_data_stages: PipelineDataStages | None = None
     """Which PP stages' TP rank 0 load data for MCore's scheduler (None: no native scheduler)."""
+    virtual_stage_source: VirtualStageSource | None = None
+    """With VPP (a list of one iterator per virtual stage), which entry MCore's scheduler pulls the step's samples
+    from: the first that is not None (dev), or by pipeline stage (main): ``[0]`` on the first, ``[-1]`` on the last,
+    none on the middle stages (None: no native scheduler)."""
+    virtual_stages_share_samples: bool = False
+    """With VPP, the scheduler gives the same packed microbatch dicts to every virtual stage whose entry of the list
+    was not None, and each stage's fetch drops the fields its stage does not need from them in place, so a later
+    virtual stage's fetch of the same microbatch finds its fields gone (dev G2-G4): the list it gets must hold an
+    iterator only in the entries this pipeline stage loads for (``[0]`` on the first, ``[-1]`` on the last)."""
     sample_forms: tuple[SampleForm, ...] | None = None
     """Sample forms MCore's scheduler accepts from the data iterator (None: no native scheduler)."""
     dynamic_cp_group_getter: str | None = None
@@ -172,6 +183,7 @@ def _dev(
     *,
     keywords: tuple[str, ...],
     stages: PipelineDataStages = "every",
+    shared: bool = False,
     forms: tuple[SampleForm, ...] = _BOTH_FORMS,
     follows: tuple[ModelComponent, ...] = MODEL_COMPONENTS,
 ) -> Generation:
@@ -188,6 +200,8 @@ def _dev(
         fetch_keywords=keywords,
         fetch_arity=7 if "config" in keywords else 6,
         pipeline_data_stages=stages,
+        virtual_stage_source="first_present",
+        virtual_stages_share_samples=shared,
         sample_forms=forms,
         dynamic_cp_group_getter=_DYNAMIC_GETTER,
         dynamic_cp_schedulers=("default_dynamic_cp",) if dynamic else (),
@@ -258,6 +272,7 @@ _ROWS = (
         "NativeSchedulerAdapter",
         fetch_arity=7,
         pipeline_data_stages="first_last",
+        virtual_stage_source="by_pipeline_stage",
         sample_forms=_BOTH_FORMS,
         dynamic_cp_group_getter=_HYBRID_GETTER,
         schedule_diverts_on="hybrid_context_parallel",
@@ -275,6 +290,8 @@ _ROWS = (
         "NativeSchedulerAdapter",
         fetch_arity=6,
         pipeline_data_stages="first_last",
+        virtual_stage_source="first_present",
+        virtual_stages_share_samples=True,
         sample_forms=("packed",),
         dynamic_cp_group_getter=_HYBRID_GETTER,
         schedule_diverts_on="hybrid_context_parallel",
@@ -292,6 +309,8 @@ _ROWS = (
         "NativeSchedulerAdapter",
         fetch_arity=6,
         pipeline_data_stages="first_last",
+        virtual_stage_source="first_present",
+        virtual_stages_share_samples=True,
         sample_forms=("packed",),
         dynamic_cp_group_getter=_DYNAMIC_GETTER,
         schedule_diverts_on="dynamic_context_parallel",
@@ -307,6 +326,7 @@ _ROWS = (
         {"fetch.config"},
         keywords=("dynamic_cp",),
         stages="first_last",
+        shared=True,
         forms=("packed",),
         follows=("attention", "te_cp_stream", "mtp", "mamba"),
     ),

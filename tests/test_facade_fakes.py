@@ -18,6 +18,7 @@ import pytest
 import mcore_compat
 import packing
 from mcore_compat.adapters import UnsupportedAdapter
+from mcore_compat.errors import BadSampleError
 from tests.fake_mcore import FakeGroup, FakeMCore, microbatch, packing_config, pg_collection, sample, sample_ids
 from tests.real_outcomes import RUNS
 
@@ -170,7 +171,9 @@ def test_wrap_passes_iterator_only_where_data_lives(
     config = packing_config(vpp_size=vpp_size)
     pgc = pg_collection(tp_rank=tp_rank, pp_rank=pp_rank, pp_size=pp_size)
     raw = iter(samples())
-    given = raw if vpp_size is None else [raw, None]
+    given: Any = raw  # with VPP: in the entry every generation pulls on this stage (main: [0] first, [-1] after)
+    if vpp_size is not None:
+        given = [raw, None] if pp_rank == 0 else [None, raw]
     if fake_mcore.generation not in NATIVE_ADAPTER:
         with pytest.raises(ValueError, match=f"detected {fake_mcore.generation} "):
             packing.wrap_data_iterator_for_global_batch_packing(given, config, len(LENGTHS), pgc)
@@ -200,6 +203,29 @@ def test_wrap_passes_iterator_only_where_data_lives(
         assert next(raw, None) is None, "the scheduler pulls exactly num_microbatches items"
         first_stage = packed if vpp_size is None else packed[0]
         assert sorted(i for mb in first_stage for i in sample_ids(mb)) == list(range(len(LENGTHS)))
+
+
+@pytest.mark.parametrize("pp_rank", [0, 1])
+def test_wrap_checks_the_virtual_stage_entry_the_scheduler_pulls(fake_mcore: FakeMCore, pp_rank: int) -> None:
+    """With an iterator only in the other edge entry of the per-stage list, a scheduler that pulls by pipeline stage
+    (main: ``[0]`` on the first stage, ``[-1]`` on the last) is refused up front naming the entry; one that pulls
+    the first entry that is not None (dev) runs."""
+    require_native(fake_mcore)
+    if fake_mcore.generation not in NATIVE_ADAPTER:
+        pytest.skip(f"{fake_mcore.generation} has no wrap_data_iterator")
+    config = packing_config(vpp_size=2)
+    pgc = pg_collection(pp_rank=pp_rank, pp_size=2)
+    raw = iter(samples())
+    given = [None, raw] if pp_rank == 0 else [raw, None]
+    fake_mcore.tp_broadcast = (2, float(sum(LENGTHS)), float(sum(n * n for n in LENGTHS)))
+    if fake_mcore.stage_entry_by_pipeline:
+        entry = "data_iterator[0]" if pp_rank == 0 else "data_iterator[-1]"
+        with pytest.raises(BadSampleError, match=re.escape(f"{entry} is None on DP rank 0")):
+            packing.wrap_data_iterator_for_global_batch_packing(given, config, len(LENGTHS), pgc)
+        assert fake_mcore.calls["wrap_data_iterator"] == []
+        return
+    packing.wrap_data_iterator_for_global_batch_packing(given, config, len(LENGTHS), pgc)
+    assert next(raw, None) is None, "the scheduler pulled the step from the one iterator given"
 
 
 def test_wrap_takes_exact_scheduler_names_only(fake_mcore: FakeMCore) -> None:

@@ -32,6 +32,7 @@ def test_every_row_is_filled_in(row: Generation) -> None:
     assert (row.requires | row.excludes) <= FEATURES.keys()
     assert row.native_scheduler == (row.fetch_arity is not None and row.pipeline_data_stages is not None)
     assert row.native_scheduler == (row.dp_balanced_first_bin_donates is not None), f"{row.id}: read its dp_balanced"
+    assert row.native_scheduler == (row.virtual_stage_source is not None), f"{row.id}: read its VPP iterator pick"
 
 
 @pytest.mark.parametrize("row", ROWS, ids=[r.id for r in ROWS])
@@ -51,6 +52,8 @@ def test_facts_read_off_features_agree_with_the_row(generation: str) -> None:
     row = GENERATIONS[generation]
     assert inferred.fetch_keywords == row.fetch_keywords
     assert inferred.pipeline_data_stages == row.pipeline_data_stages
+    assert inferred.virtual_stage_source == row.virtual_stage_source
+    assert inferred.virtual_stages_share_samples == row.virtual_stages_share_samples
     assert inferred.dynamic_cp_group_getter == row.dynamic_cp_group_getter
     assert inferred.runs_dynamic_cp_natively == row.runs_dynamic_cp_natively
     if generation != "G3":  # the one generation whose schedule dispatches on the renamed flag

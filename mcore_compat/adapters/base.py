@@ -235,6 +235,14 @@ class PackingAdapter(ABC):
         pp_rank, pp_size = pg_collection.pp.rank(), pg_collection.pp.size()
         return pp_rank in (0, pp_size - 1)
 
+    def virtual_stage_entry(self, pg_collection: Any) -> int | None:
+        """With VPP, the entry of the per-virtual-stage iterator list this pin's scheduler pulls the step's samples
+        from on this PP stage: ``0`` on the first, ``-1`` on the last where it goes by pipeline stage (None: the
+        first entry that is not None)."""
+        if self.facts.virtual_stage_source != "by_pipeline_stage":
+            return None
+        return 0 if pg_collection.pp.rank() == 0 else -1
+
     # -- the three steps ------------------------------------------------------------------------
 
     def scheduler_api(self) -> SchedulerApi:

@@ -51,10 +51,11 @@ _FETCH_REFUSED = 1 << 30
 """Added to a refused fetch's problem in the ``max_seqlen`` TP rank 0 hands Megatron-Core's fetch (no real bin
 holds a sequence of 2**30 tokens); the other TP ranks read it back from ``PackedSeqParams.max_seqlen_q`` (THD padding
 keeps the larger value; padding to ``thd_max_packed_sequences`` replaces it)."""
-_REFUSED_FETCHES = (Problem.PACKED_NO_ITERATOR, Problem.PACKED_RAW_ITERATOR)
+_REFUSED_FETCHES = (Problem.PACKED_NO_ITERATOR, Problem.PACKED_RAW_ITERATOR, Problem.PACKED_NOT_AN_ITERATOR)
 """The refused fetches, by index: where Megatron-Core pads the microbatch (``pad_packed_seq_alignment`` set), the
-mark also rides in ``cu_seqlens``, which the padding only extends: ``[-1 - index, 0, ..., 0]`` (every real
-``cu_seqlens`` starts at 0; the zeros keep each sequence's real length at most 2, within any padding target)."""
+mark also rides in ``cu_seqlens``, which the padding only extends: its first entry becomes ``1 + index`` (every real
+``cu_seqlens`` starts at 0). The rest stays, so the total (``cu_seqlens[-1]``, from which a stage without token
+tensors sizes its padding) and every sequence's length (at most its real one) stay within the padding target."""
 _ROUNDING_FAILED = -1
 """The microbatch count a TP rank 0 whose scheduler could not round its bins sends its other TP ranks."""
 _EVERY_STAGE_FIELDS = ("pipeline_model_parallel_layout", "mtp_num_layers")
@@ -182,7 +183,8 @@ class NativeSchedulerAdapter(PackingAdapter):
         with collection_paused():  # the step's short-lived check objects must not age into a full collection
             if self.rank_loads_data(pg_collection):
                 dp_rank = pg_collection.dp.rank()
-                source, position, verdict = stage_source(data_iterator, runtime.virtual_stages(model_config), dp_rank)
+                stages, entry = runtime.virtual_stages(model_config), self.virtual_stage_entry(pg_collection)
+                source, position, verdict = stage_source(data_iterator, stages, dp_rank, entry)
                 pulls = max(microbatch_count(num_microbatches), 0)  # a bad count is rejected in the agreement
                 batch = read_step(source, pulls, dp_rank, limits) if verdict == OK else LocalBatch([], verdict)
             agree(
@@ -199,8 +201,21 @@ class NativeSchedulerAdapter(PackingAdapter):
             forms = self._sample_forms()
             items = batch.items if batch.plain and "unpacked" in forms else convert_items(batch.items, forms)
             replay = itertools.chain(items, source or ())
-            iterator = replay if position is None else _replace(data_iterator, position, replay)
+            iterator = replay if position is None else self._stage_list(data_iterator, position, replay, pg_collection)
         return iterator
+
+    def _stage_list(self, data_iterator: Any, position: int, replay: Any, pg_collection: Any) -> list[Any]:
+        """The per-virtual-stage list Megatron-Core's scheduler gets: the trainer's, with the checked replay in the
+        entry it pulls (``position``); where it would share packed samples between the virtual stages whose entry
+        is not None (:attr:`~mcore_compat.generations.Generation.virtual_stages_share_samples`), the replay in the
+        entries this PP stage loads for and None in the others."""
+        if not self.facts.virtual_stages_share_samples:
+            return [replay if i == position else it for i, it in enumerate(data_iterator)]
+        pp_rank, pp_size = pg_collection.pp.rank(), pg_collection.pp.size()
+        loads = {0} if pp_rank == 0 else set()
+        if pp_rank == pp_size - 1:
+            loads.add(len(data_iterator) - 1)
+        return [replay if i in loads else None for i in range(len(data_iterator))]
 
     def schedule(
         self, wrap: Any, iterator: Any, model_config: Any, num_microbatches: int, pg_collection: Any
@@ -350,9 +365,12 @@ class NativeSchedulerAdapter(PackingAdapter):
         if data_iterator is None:
             refused = any(it is not None for it in self._packed)
             problem = record(Problem.PACKED_NO_ITERATOR) if refused else OK
+        elif any(data_iterator is it for it in self._consumed):
+            problem = record(Problem.PACKED_RAW_ITERATOR)
+        elif not callable(getattr(type(data_iterator), "__next__", None)):
+            problem = record(Problem.PACKED_NOT_AN_ITERATOR)
         else:
-            consumed = any(data_iterator is it for it in self._consumed)
-            problem = record(Problem.PACKED_RAW_ITERATOR) if consumed else OK
+            problem = OK
         if problem is OK:
             return data_iterator, OK
         pads = _pads_microbatches(model_config)
@@ -376,9 +394,8 @@ class NativeSchedulerAdapter(PackingAdapter):
         }
         bounds = microbatch.get("cu_seqlens")
         if pads and isinstance(bounds, torch.Tensor) and bounds.numel() >= 2:
-            start = torch.zeros_like(bounds)
-            start[0] = -1 - _REFUSED_FETCHES.index(Problem(int(problem[0])))
-            marked["cu_seqlens"] = start
+            marked["cu_seqlens"] = bounds.clone()
+            marked["cu_seqlens"][0] = 1 + _REFUSED_FETCHES.index(Problem(int(problem[0])))
         return marked
 
     @staticmethod
@@ -393,17 +410,13 @@ class NativeSchedulerAdapter(PackingAdapter):
         bounds = getattr(params, "cu_seqlens_q", None)
         if _pads_microbatches(model_config) and isinstance(bounds, torch.Tensor) and bounds.numel():
             start = int(bounds[0])
-            if -len(_REFUSED_FETCHES) <= start < 0:
-                raise_if_bad(record(_REFUSED_FETCHES[-1 - start]))
+            if 1 <= start <= len(_REFUSED_FETCHES):
+                raise_if_bad(record(_REFUSED_FETCHES[start - 1]))
 
 
 def _pads_microbatches(model_config: Any) -> bool:
     """Whether Megatron-Core's fetch pads each packed microbatch (THD padding, which may replace ``max_seqlen``)."""
     return getattr(model_config, "pad_packed_seq_alignment", None) is not None
-
-
-def _replace(iterators: Any, position: int, replay: Any) -> list[Any]:
-    return [replay if i == position else it for i, it in enumerate(iterators)]
 
 
 def no_data(model_config: Any) -> list[None] | None:

@@ -205,7 +205,8 @@ class PortableAdapter(PackingAdapter):
         batch = None
         if self.rank_loads_data(pg_collection):
             dp_rank = pg_collection.dp.rank()
-            source, _, verdict = stage_source(data_iterator, runtime.virtual_stages(model_config), dp_rank)
+            stages, entry = runtime.virtual_stages(model_config), self.virtual_stage_entry(pg_collection)
+            source, _, verdict = stage_source(data_iterator, stages, dp_rank, entry)
             pulls = max(microbatch_count(num_microbatches), 0)  # a bad count is rejected in the agreement
             batch = read_step(source, pulls, dp_rank, limits) if verdict == OK else LocalBatch([], verdict)
         num_microbatches = agree(batch, num_microbatches, pg_collection, model_config)
@@ -497,6 +498,8 @@ class PortableAdapter(PackingAdapter):
         """TP rank 0: the next packed microbatch, sliced for this CP rank (or the problem, encoded)."""
         if data_iterator is None:
             return record(Problem.PACKED_NO_ITERATOR), {}
+        if not callable(getattr(type(data_iterator), "__next__", None)):
+            return record(Problem.PACKED_NOT_AN_ITERATOR), {}
         try:
             packed = next(data_iterator)
         except StopIteration:

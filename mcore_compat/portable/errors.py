@@ -117,6 +117,8 @@ class Problem(enum.IntEnum):
     NOT_PER_STAGE = 31
     PACKED_NO_ITERATOR = 32
     PACKED_RAW_ITERATOR = 33
+    PACKED_NOT_AN_ITERATOR = 34
+    STAGE_ITERATOR_NONE = 35
 
 
 class TensorKind(enum.IntEnum):
@@ -272,6 +274,14 @@ def describe(record: Sequence[int]) -> str:
         return (
             f"data_iterator on DP rank {rank} is {given} with virtual_pipeline_model_parallel_size={b}; pass a list "
             f"of {b}, one iterator per virtual pipeline stage (None for a stage that loads no data)"
+        )
+    if problem is Problem.STAGE_ITERATOR_NONE:
+        stage = "first" if a == 0 else "last"
+        return (
+            f"data_iterator[{a}] is None on DP rank {rank}, TP rank 0 of the {stage} pipeline stage, with "
+            f"virtual_pipeline_model_parallel_size={b}: this pin's scheduler pulls the step's samples from "
+            "data_iterator[0] on the first pipeline stage and data_iterator[-1] on the last; pass the sample "
+            f"iterator at data_iterator[{a}]"
         )
     if problem is Problem.EXHAUSTED and c == RAN_OUT_BETWEEN_STEPS:
         return (
@@ -452,6 +462,12 @@ def describe(record: Sequence[int]) -> str:
             "get_batch_for_global_batch_packing got the sample iterator that "
             "wrap_data_iterator_for_global_batch_packing consumed, not the packed iterator it returned; pass the "
             "returned one (packed_iterator)"
+        )
+    if problem is Problem.PACKED_NOT_AN_ITERATOR:
+        return (
+            "get_batch_for_global_batch_packing got a data_iterator on TP rank 0 that is not an iterator (it has no "
+            "__next__: e.g. a list, such as the list of every virtual stage's packed iterators); pass the packed "
+            "iterator, with virtual pipeline stages the one at index vp_stage of the list wrap returned"
         )
     if problem is Problem.PACKED_NOT_A_DICT:
         return (

@@ -161,9 +161,13 @@ class FakeMCore:
         data_stages: DataStages | None = None,
         fetch_arity: int | None = None,
         record: bool = True,
+        stage_entry_by_pipeline: bool = False,
     ) -> None:
         self.generation = generation
         self.data_stages = data_stages
+        self.stage_entry_by_pipeline = stage_entry_by_pipeline
+        """With VPP the scheduler pulls ``data_iterator[0]`` on the first PP stage and ``[-1]`` on the last (main),
+        else the first entry that is not None (dev)."""
         self.fetch_arity = fetch_arity
         self.modules: dict[str, ModuleType] = {}
         self.calls: dict[str, list[Call]] = defaultdict(list)
@@ -252,7 +256,11 @@ class FakeMCore:
         vpp = config.virtual_pipeline_model_parallel_size
         if vpp is not None and vpp > 1:
             assert len(data_iterator) == vpp
-            data_iterator = next((it for it in data_iterator if it is not None), None)
+            if self.stage_entry_by_pipeline:
+                first, last = pp_group.rank() == 0, pp_group.rank() == pp_group.size() - 1
+                data_iterator = data_iterator[0] if first else (data_iterator[-1] if last else None)
+            else:
+                data_iterator = next((it for it in data_iterator if it is not None), None)
         if data_iterator is not None:
             assert tp_group.rank() == 0, "Only TP rank 0 should have data_iterator"
         edge_stage = pp_group.rank() in (0, pp_group.size() - 1)

@@ -29,7 +29,14 @@ def build(generation: str, *, record: bool = True) -> FakeMCore:
 
 def main_base(generation: str, *, record: bool, fetch_arity: int | None) -> FakeMCore:
     """What M1-M3 share: main's ``PackedSeqParams``, G1-style hybrid CP names and ``data_schedule_utils``."""
-    fake = FakeMCore(generation, version="0.20.0", data_stages="first_last", fetch_arity=fetch_arity, record=record)
+    fake = FakeMCore(
+        generation,
+        version="0.20.0",
+        data_stages="first_last",
+        fetch_arity=fetch_arity,
+        record=record,
+        stage_entry_by_pipeline=True,
+    )
     fake.packed_seq_params(PSP_FIELDS_MAIN)
     fake.model_parallel_config(("max_seqlen_per_dp_cp_rank", "hybrid_context_parallel"))
     fake.parallel_state(initialize_hybrid, getter="get_hybrid_data_context_parallel_groups")

@@ -264,6 +264,30 @@ def test_stage_source(data_iterator, stages, expected):
     assert stage_source(data_iterator, stages, rank=3) == expected
 
 
+_OTHER = iter(())
+ENTRY_CASES = [
+    ([_ITERATOR, _OTHER], 2, 0, (_ITERATOR, 0, OK)),
+    ([_ITERATOR, _OTHER], 2, -1, (_OTHER, 1, OK)),
+    ([None, None, _OTHER], 3, -1, (_OTHER, 2, OK)),
+    ([_ITERATOR, None], 2, -1, (None, None, record(Problem.STAGE_ITERATOR_NONE, 3, a=-1, b=2))),
+    ([None, _OTHER], 2, 0, (None, None, record(Problem.STAGE_ITERATOR_NONE, 3, a=0, b=2))),
+    ([_ITERATOR], 2, 0, (None, None, record(Problem.NOT_PER_STAGE, 3, a=1, b=2))),
+    (_ITERATOR, None, -1, (_ITERATOR, None, OK)),
+]
+
+
+@pytest.mark.parametrize(("data_iterator", "stages", "entry", "expected"), ENTRY_CASES)
+def test_stage_source_at_a_fixed_entry(data_iterator, stages, entry, expected):
+    """Where the pin's scheduler pulls a fixed entry on this pipeline stage (main), that one, which must not be None."""
+    assert stage_source(data_iterator, stages, rank=3, entry=entry) == expected
+
+
+def test_a_none_entry_names_the_entry_and_the_stage():
+    message = str(PortablePackingError(record(Problem.STAGE_ITERATOR_NONE, 3, a=-1, b=2)))
+    assert "data_iterator[-1] is None on DP rank 3" in message
+    assert "last pipeline stage" in message and "virtual_pipeline_model_parallel_size=2" in message
+
+
 def test_a_wrong_per_stage_list_names_the_stage_count():
     message = str(PortablePackingError(record(Problem.NOT_PER_STAGE, 3, a=1, b=2)))
     assert "DP rank 3" in message and "a list of 1" in message and "a list of 2, one iterator per virtual" in message
