@@ -22,6 +22,8 @@ import numpy
 import torch
 import torch.distributed as dist
 
+from mcore_compat.adapters import select_adapter
+from mcore_compat.capabilities import detect
 from mcore_compat.errors import BadSampleError, PackingConfigError, PackingError
 from mcore_compat.testing import Case, Layout, cpu_patches, model_config
 from mcore_compat.testing.runner import mpu_pg_collection
@@ -54,9 +56,14 @@ class BadInput:
     pg_drop: tuple[str, ...] = ()
     """Groups missing from the ``pg_collection`` that ``wrap`` gets on the ranks ``dp_rank`` names (``"*"``: None)."""
     fetch_from: str = "packed"
-    """What the fetches get: the iterator ``wrap`` returned, the ``"raw"`` sample iterator, or ``"none"``."""
+    """What the fetches get: the iterator ``wrap`` returned, the ``"raw"`` sample iterator, ``"none"``, or a
+    ``"list"`` (with VPP the list of every stage's iterators, else ``[iterator]``)."""
     elsewhere: str | None = None
     """A :func:`mutate` of every item ``mutation`` leaves alone, on every rank (e.g. all samples at capacity)."""
+    unchecked: bool = False
+    """Run the pin's own ``wrap`` and fetch through the adapter, without the facade's checks and agreement, on the
+    good samples as every generation reads them (:func:`_reference_sources`): the microbatches good input must
+    still give through the facade."""
 
 
 def _per_token(sample: dict, fn: Callable[[torch.Tensor], torch.Tensor], keys: Sequence[str]) -> dict:
@@ -335,14 +342,55 @@ class _Raising(Iterator[Any]):
 
 ITERATOR_MUTATIONS = ("exhausted", "raising", "none_iterator", "list", "aliased", "duplicated")
 """Mutations of the data iterator itself; every other one is a :func:`mutate` of one item."""
+STAGE_MUTATIONS = ("stages_short", "stages_not_a_list", "stages_none", "stages_first_only", "stages_last_only")
+"""Mutations of the list of per-virtual-stage iterators (with VPP): one entry short, one iterator in place of the
+list, None in every entry, an iterator in the first (or last) entry only."""
+
+
+def _hit(bad: BadInput, pg: Any) -> bool:
+    """Whether the case's defect is on this rank."""
+    return (bad.dp_rank is None or bad.dp_rank == pg.dp.rank()) and (bad.cp_rank is None or bad.cp_rank == pg.cp.rank())
+
+
+def _stage_sources(case: Case, bad: BadInput, pg: Any, virtual: int | None) -> Any:
+    """What this rank passes to ``wrap``: with ``virtual`` stages, one iterator per stage on TP rank 0 (each
+    over this DP rank's samples, as a trainer builds one per model chunk) and None per stage elsewhere."""
+    if bad.unchecked:
+        return _reference_sources(case, pg, virtual)
+    if virtual is None:
+        return _source(case, bad, pg)
+    if pg.tp.rank() != 0:
+        return [None] * virtual
+    if bad.mutation not in STAGE_MUTATIONS or not _hit(bad, pg):
+        return [_source(case, bad, pg) for _ in range(virtual)]
+    clean = BadInput(bad.name)
+    if bad.mutation == "stages_not_a_list":
+        return _source(case, clean, pg)
+    if bad.mutation == "stages_none":
+        return [None] * virtual
+    if bad.mutation in ("stages_first_only", "stages_last_only"):
+        only = 0 if bad.mutation == "stages_first_only" else virtual - 1
+        return [_source(case, clean, pg) if v == only else None for v in range(virtual)]
+    return [_source(case, clean, pg) for _ in range(virtual - 1)]
+
+
+def _reference_sources(case: Case, pg: Any, virtual: int | None) -> Any:
+    """The samples as every native generation's own ``wrap`` reads them: pre-packed, with VPP only in the entry
+    each pipeline edge loads (``[0]`` on the first stage, ``[-1]`` on the last)."""
+    source = _source(case, BadInput("reference", dp_rank=None), pg)
+    if source is not None:
+        source = (prepack([item]) for item in source)
+    if virtual is None:
+        return source
+    first, last = pg.pp.rank() == 0, pg.pp.rank() == pg.pp.size() - 1
+    return [source if (first and v == 0) or (last and v == virtual - 1) else None for v in range(virtual)]
 
 
 def _source(case: Case, bad: BadInput, pg: Any) -> Iterator[Any] | None:
     if pg.tp.rank() != 0:
         return None
-    dp_rank = pg.dp.rank()
-    source = case.sample_spec.source(0, dp_rank)
-    hit = (bad.dp_rank is None or bad.dp_rank == dp_rank) and (bad.cp_rank is None or bad.cp_rank == pg.cp.rank())
+    source = case.sample_spec.source(0, pg.dp.rank())
+    hit = _hit(bad, pg)
     capacity = case.max_seqlen_per_dp_cp_rank * case.layout.cp
     align = case.sample_spec.multiple
     rest = None if bad.elsewhere is None else functools.partial(mutate, bad.elsewhere, capacity=capacity, align=align)
@@ -378,6 +426,9 @@ class Outcome:
     seconds: float = 0.0
     microbatches: int = 0
     fetch: tuple[str, str] = ("skipped", "")
+    stage_fetches: list[tuple[str, str]] = field(default_factory=list)
+    """With ``extra_fetch``: what the fetch past the last microbatch raised on each virtual stage (``fetch``: the
+    first)."""
     fetched: list[list[list[float]]] = field(default_factory=list)
     """Per fetched microbatch, :func:`_microbatch_record`."""
 
@@ -414,27 +465,43 @@ def _microbatch_record(batch: Any) -> list[list[float]]:
     return [t.reshape(-1).tolist() if isinstance(t, torch.Tensor) else [] for t in (*fields, *bounds)]
 
 
-def _run(bad: BadInput, case: Case, pg: Any, rank: int) -> Outcome:
+def _fetch_all(fetch: Callable[..., Any], packed: Any, count: int, config: Any, pg: Any, virtual: int | None) -> list:
+    """Every microbatch of the step, in the order a pipeline schedule fetches them: each virtual stage's in turn."""
+    streams = packed if isinstance(packed, list) else [packed] * (virtual or 1)
+    stages = range(virtual) if virtual is not None else [None]
+    return [
+        _microbatch_record(fetch(streams[v or 0], config, pg_collection=pg, vp_stage=v))
+        for _ in range(count)
+        for v in stages
+    ]
+
+
+def _run(bad: BadInput, case: Case, pg: Any, rank: int, virtual: int | None = None) -> Outcome:
     import packing
 
     config = _config(case, bad, pg.dp.rank())
+    if virtual is not None:
+        config.virtual_pipeline_model_parallel_size = virtual
+        config.microbatch_group_size_per_vp_stage = pg.pp.size()
     num_microbatches = case.num_microbatches
     if bad.num_microbatches is not None and (bad.dp_rank is None or bad.dp_rank == pg.dp.rank()):
         num_microbatches = bad.num_microbatches
-    source = _source(case, bad, pg)
+    source = _stage_sources(case, bad, pg, virtual)
     wrap_pg = _wrap_pg(bad, pg)
+    wrap, fetch = packing.wrap_data_iterator_for_global_batch_packing, packing.get_batch_for_global_batch_packing
+    if bad.unchecked:  # an adapter of its own: it never wraps, so no count of fetches from another case applies
+        own = select_adapter(detect())
+        wrap, fetch = own.scheduler_api()[0], own.get_batch
     start = time.perf_counter()
     outcome = Outcome(bad.name, rank, "ok", "")
     try:
-        packed, count, _, _ = packing.wrap_data_iterator_for_global_batch_packing(
-            source, config, num_microbatches, wrap_pg
-        )
-        outcome.microbatches = count
-        if bad.fetch_from != "packed":
+        packed, count, _, _ = wrap(source, config, num_microbatches, pg_collection=wrap_pg)
+        outcome.microbatches = count = int(count)
+        if bad.fetch_from == "list":  # every fetch gets a list: all stages' iterators (VPP) or [the iterator]
+            packed = [packed if virtual is not None else [packed]] * (virtual or 1)
+        elif bad.fetch_from != "packed":
             packed = source if bad.fetch_from == "raw" else None
-        for _ in range(count):
-            batch = packing.get_batch_for_global_batch_packing(packed, config, pg_collection=pg, vp_stage=None)
-            outcome.fetched.append(_microbatch_record(batch))
+        outcome.fetched = _fetch_all(fetch, packed, count, config, pg, virtual)
     except BaseException as exc:  # noqa: BLE001 - the test compares what every rank raised
         outcome.kind, outcome.message = type(exc).__name__, str(exc)
         outcome.bad_sample_error = isinstance(exc, BadSampleError)
@@ -442,20 +509,30 @@ def _run(bad: BadInput, case: Case, pg: Any, rank: int) -> Outcome:
         outcome.packing_error = isinstance(exc, PackingError)
     outcome.seconds = time.perf_counter() - start
     if outcome.kind == "ok" and bad.extra_fetch:
-        try:
-            packing.get_batch_for_global_batch_packing(packed, config, pg_collection=pg, vp_stage=None)
-            outcome.fetch = ("ok", "")
-        except BaseException as exc:  # noqa: BLE001
-            outcome.fetch = (type(exc).__name__, str(exc))
+        streams = packed if isinstance(packed, list) else [packed] * (virtual or 1)
+        for v in range(virtual) if virtual is not None else [None]:
+            try:
+                fetch(streams[v or 0], config, pg_collection=pg, vp_stage=v)
+                outcome.stage_fetches.append(("ok", ""))
+            except BaseException as exc:  # noqa: BLE001
+                outcome.stage_fetches.append((type(exc).__name__, str(exc)))
+        outcome.fetch = outcome.stage_fetches[0]
     return outcome
 
 
 def bad_inputs_on_rank(
-    rank: int, world_size: int, layout: Layout, cases: Sequence[BadInput], base: dict[str, Any], pipeline: int = 1
+    rank: int,
+    world_size: int,
+    layout: Layout,
+    cases: Sequence[BadInput],
+    base: dict[str, Any],
+    pipeline: int = 1,
+    virtual: int | None = None,
 ) -> dict[str, Any]:
     """Every case on this rank for one layout, in one process group; also reports the backend.
 
-    ``pipeline`` pipeline stages of ``layout`` each (``world_size`` = ``pipeline`` x the layout's size).
+    ``pipeline`` pipeline stages of ``layout`` each (``world_size`` = ``pipeline`` x the layout's size), each with
+    ``virtual`` interleaved virtual stages (None: no VPP): a list of iterators per rank, fetched stage by stage.
     """
     import packing
     from mcore_compat import adapter
@@ -489,7 +566,7 @@ def bad_inputs_on_rank(
                 for bad in group:
                     if bad.layouts and str(layout) not in bad.layouts:
                         continue
-                    outcomes.append(_run(bad, case, pg, rank))
+                    outcomes.append(_run(bad, case, pg, rank, virtual))
                     dist.barrier()
             finally:
                 state.destroy_model_parallel()

@@ -396,6 +396,11 @@ CASES: list[tuple[BadInput, str, tuple[str, ...]]] = [
         PADDED,
         ("data_iterator=None on TP rank 0", "pass that iterator"),
     ),
+    (
+        BadInput("fetch from a list holding the packed iterator", fetch_from="list"),
+        BAD,
+        ("get_batch_for_global_batch_packing", "not an iterator", "pass the packed iterator"),
+    ),
     (BadInput("good input", dp_rank=None), "ok", ()),
     (BadInput("good input, dynamic CP", dp_rank=None, dynamic_cp=True), "ok", ()),
 ]
@@ -450,6 +455,12 @@ def _first_bin_refused(per_rank: list[dict]) -> bool:
 def test_every_rank_raises_the_same_clear_error(outcomes: dict, case: BadInput, expected: str, fragments: tuple):
     if case.layouts and outcomes["layout"] not in case.layouts:
         pytest.skip(f"{case.name} needs layout {case.layouts}")
+    _assert_alike_and_clear(outcomes, case, expected, fragments)
+
+
+def _assert_alike_and_clear(outcomes: dict, case: BadInput, expected: str, fragments: tuple) -> None:
+    """Every rank ended ``case`` with the same outcome, the ``expected`` kind whose message holds ``fragments``,
+    within :data:`SECONDS`."""
     ranks = outcomes["runs"][case.name]
     assert len(ranks) == outcomes["world"]
     if {o.kind for o in ranks} == {"skipped"}:
@@ -462,6 +473,8 @@ def test_every_rank_raises_the_same_clear_error(outcomes: dict, case: BadInput, 
         return
     if expected == FIRST_BIN:
         expected, fragments = (BAD, fragments) if outcomes["first_bin_refused"] else ("ok", ())
+    if expected == FIXED_ENTRY:
+        expected, fragments = (BAD, fragments) if outcomes["fixed_entry"] else ("ok", ())
     if expected == PADDED:
         expected, fragments = (
             ("UnsupportedPinError", ("pad_packed_seq_alignment",))
@@ -585,3 +598,145 @@ def test_every_pipeline_stage_raises_a_step_the_scheduler_cannot_round():
             assert {o.kind for o in ranks} == {"ok"}, seen
             assert {o.microbatches for o in ranks} != {0}
         assert max(o.seconds for o in ranks) < SECONDS
+
+
+INTERLEAVED = ((Layout(1, 1, 2), 2, 2), (Layout(2, 1, 2), 2, 2))
+"""Layouts with pipeline stages and interleaved virtual stages each (``(layout, pp, vpp)``): every rank passes one
+iterator per virtual stage and fetches each stage's microbatches in turn; the second has TP ranks that load none."""
+INTERLEAVED_TABLE_CASES = (
+    "missing key",
+    "tokens/labels mismatch",
+    "NaN length",
+    "non-dict item",
+    "zero position_ids",
+    "oversize on one rank",
+    "one rank exhausted",
+    "iterator raises",
+    "num_microbatches differs",
+    "capacity differs on one rank",
+    "extra fetch",
+    "fetch from the consumed sample iterator",
+    "fetch from None on TP rank 0",
+    "fetch from None on TP rank 0, static THD capacity",
+    "fetch from the consumed sample iterator, static THD capacity",
+    "fetch from None on TP rank 0, padded to the maximum",
+    GOOD,
+)
+"""Cases of :data:`CASES` played with interleaved virtual stages, with the table's expectations."""
+UNCHECKED = "good input, the pin's own wrap and fetch"
+FIXED_ENTRY = "refused where the scheduler pulls from a fixed entry per pipeline stage"
+"""An iterator list with None where Megatron-Core pulls by pipeline stage (main: ``[0]`` on the first stage, ``[-1]``
+on the last): BAD there with the case's fragments; where it pulls from the first entry that is not None (dev, the
+portable backend on a release), the step packs as good input does."""
+INTERLEAVED_CASES: list[tuple[BadInput, str, tuple[str, ...]]] = [
+    *[(case, expected, fragments) for case, expected, fragments in CASES if case.name in INTERLEAVED_TABLE_CASES],
+    (
+        BadInput("one virtual stage's iterator missing on one rank", "stages_short"),
+        BAD,
+        ("DP rank 1", "a list of 1", "virtual_pipeline_model_parallel_size=2", "one iterator per virtual"),
+    ),
+    (
+        BadInput("one iterator, not the list of virtual stages, on one rank", "stages_not_a_list"),
+        BAD,
+        ("DP rank 1", "not a list", "one iterator per virtual pipeline stage"),
+    ),
+    (
+        BadInput("None for every virtual stage on a loading rank", "stages_none"),
+        BAD,
+        ("None on DP rank 1", "sample iterator"),
+    ),
+    (
+        BadInput("fetch from the list of every stage's iterators", fetch_from="list"),
+        BAD,
+        ("get_batch_for_global_batch_packing", "list", "vp_stage"),
+    ),
+    (
+        BadInput("an iterator in the first virtual stage's entry only", "stages_first_only", dp_rank=None),
+        FIXED_ENTRY,
+        ("data_iterator[-1] is None", "last pipeline stage", "virtual_pipeline_model_parallel_size=2"),
+    ),
+    (
+        BadInput("an iterator in the last virtual stage's entry only", "stages_last_only", dp_rank=None),
+        FIXED_ENTRY,
+        ("data_iterator[0] is None", "first pipeline stage", "virtual_pipeline_model_parallel_size=2"),
+    ),
+    (BadInput(UNCHECKED, dp_rank=None, unchecked=True), "ok", ()),
+]
+
+
+@pytest.fixture(scope="module", params=INTERLEAVED, ids=lambda p: f"{p[0]}-pp{p[1]}-vpp{p[2]}")
+def interleaved(request: pytest.FixtureRequest) -> dict:
+    layout, stages, virtual = request.param
+    cases = [case for case, _, _ in INTERLEAVED_CASES] + RANDOM_DEFECTS
+    world = layout.world_size * stages
+    per_rank = launch(
+        bad_inputs_on_rank,
+        world,
+        args=(layout, cases, BASE, stages, virtual),
+        sys_path=SYS_PATH,
+        timeout=240,
+        pg_timeout=20,
+    )
+    runs: dict[str, list] = {}
+    for rank_result in per_rank:
+        for outcome in rank_result["outcomes"]:
+            runs.setdefault(outcome.name, []).append(outcome)
+    generation = GENERATIONS.get(per_rank[0]["generation"] or "")
+    fixed_entry = generation is not None and generation.virtual_stage_source == "by_pipeline_stage"
+    return {
+        "world": world,
+        "pipeline": True,
+        "backend": per_rank[0]["backend"],
+        "runs": runs,
+        "virtual": virtual,
+        "fixed_entry": fixed_entry,
+    }
+
+
+@pytest.mark.parametrize(
+    ("case", "expected", "fragments"), INTERLEAVED_CASES, ids=[c.name for c, _, _ in INTERLEAVED_CASES]
+)
+def test_interleaved_stages_fail_alike_on_every_rank(interleaved: dict, case: BadInput, expected: str, fragments):
+    """With interleaved virtual pipeline stages (a list of iterators per rank, each stage fetched in turn), bad
+    input and a bad iterator list fail on every rank of every stage with the same clear error."""
+    _assert_alike_and_clear(interleaved, case, expected, fragments)
+
+
+@pytest.mark.parametrize(("case", "error"), [(c, "bad_sample_error") for c in RANDOM_DEFECTS], ids=lambda c: c)
+def test_interleaved_random_defects_end_alike(interleaved: dict, case: BadInput, error: str):
+    ranks = interleaved["runs"][case.name]
+    assert len(ranks) == interleaved["world"]
+    seen = {(o.kind, o.message) for o in ranks}
+    assert len(seen) == 1, f"ranks disagree on {interleaved['backend']}: {seen}"
+    assert seen == {("ok", "")} or all(o.bad_sample_error for o in ranks), seen
+
+
+def test_interleaved_good_input_packs_as_the_pin_does(interleaved: dict):
+    """Through the facade, every rank fetches on every virtual stage the very microbatches the pin's own ``wrap``
+    and fetch give it without the checks."""
+    checked = {o.rank: (o.microbatches, o.fetched) for o in interleaved["runs"][GOOD]}
+    unchecked = {o.rank: (o.microbatches, o.fetched) for o in interleaved["runs"][UNCHECKED]}
+    assert {count for count, _ in checked.values()} != {0}
+    assert all(len(fetched) == count * interleaved["virtual"] for count, fetched in checked.values())
+    assert checked == unchecked
+
+
+@pytest.mark.parametrize("name", [c.name for c, expected, _ in INTERLEAVED_CASES if expected == FIXED_ENTRY])
+def test_interleaved_iterator_in_one_entry_packs_as_good_input_where_accepted(interleaved: dict, name: str):
+    """Where the pin pulls from the first entry that is not None, one iterator in any entry packs the same
+    microbatches as an iterator in every entry."""
+    if interleaved["fixed_entry"]:
+        pytest.skip("this pin pulls by pipeline stage: the case is refused (checked with the table)")
+    expected = {o.rank: o.fetched for o in interleaved["runs"][GOOD]}
+    assert {o.rank: o.fetched for o in interleaved["runs"][name]} == expected
+
+
+def test_interleaved_fetch_past_the_count_stops_on_every_stage(interleaved: dict):
+    """One fetch more than the count on each virtual stage raises ``StopIteration`` on every rank, on each stage."""
+    ranks = interleaved["runs"]["extra fetch"]
+    assert all(len(o.stage_fetches) == interleaved["virtual"] for o in ranks)
+    seen = {fetch for o in ranks for fetch in o.stage_fetches}
+    assert len(seen) == 1, seen
+    ((kind, message),) = seen
+    assert kind == "StopIteration"
+    assert "get_batch was called more often" in message
