@@ -465,14 +465,21 @@ def _microbatch_record(batch: Any) -> list[list[float]]:
     return [t.reshape(-1).tolist() if isinstance(t, torch.Tensor) else [] for t in (*fields, *bounds)]
 
 
+def _streams(packed: Any, virtual: int | None) -> list[tuple[Any, int | None]]:
+    """What each fetch of a microbatch gets, with its ``vp_stage``: with VPP each virtual stage's entry of ``packed``
+    (a list as ``wrap`` returns it; anything else as given to every stage), else ``packed`` itself."""
+    if virtual is None:
+        return [(packed, None)]
+    return [(packed[v] if isinstance(packed, list) else packed, v) for v in range(virtual)]
+
+
 def _fetch_all(fetch: Callable[..., Any], packed: Any, count: int, config: Any, pg: Any, virtual: int | None) -> list:
-    """Every microbatch of the step, in the order a pipeline schedule fetches them: each virtual stage's in turn."""
-    streams = packed if isinstance(packed, list) else [packed] * (virtual or 1)
-    stages = range(virtual) if virtual is not None else [None]
+    """Every microbatch of the step, microbatch by microbatch, each virtual stage's in turn (so a stage whose fetch
+    edits a microbatch shared with a later stage is seen)."""
     return [
-        _microbatch_record(fetch(streams[v or 0], config, pg_collection=pg, vp_stage=v))
+        _microbatch_record(fetch(stream, config, pg_collection=pg, vp_stage=v))
         for _ in range(count)
-        for v in stages
+        for stream, v in _streams(packed, virtual)
     ]
 
 
@@ -498,7 +505,7 @@ def _run(bad: BadInput, case: Case, pg: Any, rank: int, virtual: int | None = No
         packed, count, _, _ = wrap(source, config, num_microbatches, pg_collection=wrap_pg)
         outcome.microbatches = count = int(count)
         if bad.fetch_from == "list":  # every fetch gets a list: all stages' iterators (VPP) or [the iterator]
-            packed = [packed if virtual is not None else [packed]] * (virtual or 1)
+            packed = [packed] * virtual if virtual is not None else [packed]
         elif bad.fetch_from != "packed":
             packed = source if bad.fetch_from == "raw" else None
         outcome.fetched = _fetch_all(fetch, packed, count, config, pg, virtual)
@@ -509,10 +516,9 @@ def _run(bad: BadInput, case: Case, pg: Any, rank: int, virtual: int | None = No
         outcome.packing_error = isinstance(exc, PackingError)
     outcome.seconds = time.perf_counter() - start
     if outcome.kind == "ok" and bad.extra_fetch:
-        streams = packed if isinstance(packed, list) else [packed] * (virtual or 1)
-        for v in range(virtual) if virtual is not None else [None]:
+        for stream, v in _streams(packed, virtual):
             try:
-                fetch(streams[v or 0], config, pg_collection=pg, vp_stage=v)
+                fetch(stream, config, pg_collection=pg, vp_stage=v)
                 outcome.stage_fetches.append(("ok", ""))
             except BaseException as exc:  # noqa: BLE001
                 outcome.stage_fetches.append((type(exc).__name__, str(exc)))
