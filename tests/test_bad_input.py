@@ -430,17 +430,22 @@ def outcomes(request: pytest.FixtureRequest) -> dict:
     per_rank = launch(
         bad_inputs_on_rank, world, args=(layout, cases, BASE, stages), sys_path=SYS_PATH, timeout=240, pg_timeout=20
     )
+    return {"layout": _layout_id(request.param), "world": world, "pipeline": stages > 1, **_collected(per_rank)}
+
+
+def _collected(per_rank: list[dict]) -> dict:
+    """Every rank's outcomes by case (``runs``), the backend, and what the pin's generation makes of the cases whose
+    expectation depends on it."""
     runs: dict[str, list] = {}
     for rank_result in per_rank:
         for outcome in rank_result["outcomes"]:
             runs.setdefault(outcome.name, []).append(outcome)
+    generation = GENERATIONS.get(per_rank[0]["generation"] or "")
     return {
-        "layout": _layout_id(request.param),
-        "world": world,
-        "pipeline": stages > 1,
         "backend": per_rank[0]["backend"],
         "runs": runs,
         "first_bin_refused": _first_bin_refused(per_rank),
+        "fixed_entry": generation is not None and generation.virtual_stage_source == "by_pipeline_stage",
     }
 
 
@@ -677,20 +682,7 @@ def interleaved(request: pytest.FixtureRequest) -> dict:
         timeout=240,
         pg_timeout=20,
     )
-    runs: dict[str, list] = {}
-    for rank_result in per_rank:
-        for outcome in rank_result["outcomes"]:
-            runs.setdefault(outcome.name, []).append(outcome)
-    generation = GENERATIONS.get(per_rank[0]["generation"] or "")
-    fixed_entry = generation is not None and generation.virtual_stage_source == "by_pipeline_stage"
-    return {
-        "world": world,
-        "pipeline": True,
-        "backend": per_rank[0]["backend"],
-        "runs": runs,
-        "virtual": virtual,
-        "fixed_entry": fixed_entry,
-    }
+    return {"world": world, "pipeline": True, "virtual": virtual, **_collected(per_rank)}
 
 
 @pytest.mark.parametrize(
