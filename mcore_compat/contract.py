@@ -66,6 +66,7 @@ __all__ = [
     "check_items",
     "collection_paused",
     "convert_items",
+    "is_iterator",
     "pull",
     "read_step",
     "sample_form",
@@ -165,11 +166,16 @@ def stage_source(
     return (None, None, OK) if first is None else (data_iterator[first], first, OK)
 
 
+def is_iterator(value: Any) -> bool:
+    """Whether ``next()`` takes ``value`` (its type has ``__next__``): a list or a DataLoader does not."""
+    return callable(getattr(type(value), "__next__", None))
+
+
 def pull(data_iterator: Any, num_microbatches: int, rank: int) -> tuple[list[Any], list[int], BaseException | None]:
     """``next()`` the raw iterator ``num_microbatches`` times; a failure becomes a problem record."""
     if data_iterator is None:
         return [], record(Problem.NO_ITERATOR, rank), None
-    if not callable(getattr(type(data_iterator), "__next__", None)):
+    if not is_iterator(data_iterator):
         return [], record(Problem.NOT_AN_ITERATOR, rank), None
     items: list[Any] = []
     for index in range(num_microbatches):

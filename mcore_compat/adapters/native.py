@@ -29,6 +29,7 @@ from mcore_compat.contract import (
     LocalBatch,
     collection_paused,
     convert_items,
+    is_iterator,
     read_step,
     stage_source,
 )
@@ -367,7 +368,7 @@ class NativeSchedulerAdapter(PackingAdapter):
             problem = record(Problem.PACKED_NO_ITERATOR) if refused else OK
         elif any(data_iterator is it for it in self._consumed):
             problem = record(Problem.PACKED_RAW_ITERATOR)
-        elif not callable(getattr(type(data_iterator), "__next__", None)):
+        elif not is_iterator(data_iterator):
             problem = record(Problem.PACKED_NOT_AN_ITERATOR)
         else:
             problem = OK

@@ -50,7 +50,7 @@ from mcore_compat.adapters.base import (
 )
 from mcore_compat.agreement import SETUP_ERRORS, agree, fail_together, microbatch_count
 from mcore_compat.capabilities import Capabilities
-from mcore_compat.contract import Limits, LocalBatch, read_step, stage_source
+from mcore_compat.contract import Limits, LocalBatch, is_iterator, read_step, stage_source
 from mcore_compat.errors import PackingConfigError, UnsupportedPinError
 from mcore_compat.portable import SCHEDULERS, dynamic, exchange
 from mcore_compat.portable.entry_points import entry_points
@@ -498,7 +498,7 @@ class PortableAdapter(PackingAdapter):
         """TP rank 0: the next packed microbatch, sliced for this CP rank (or the problem, encoded)."""
         if data_iterator is None:
             return record(Problem.PACKED_NO_ITERATOR), {}
-        if not callable(getattr(type(data_iterator), "__next__", None)):
+        if not is_iterator(data_iterator):
             return record(Problem.PACKED_NOT_AN_ITERATOR), {}
         try:
             packed = next(data_iterator)
