@@ -111,7 +111,8 @@ def _inferred(caps: Capabilities) -> Generation:
     The rules hold for every row (``tests/test_generations.py``): data on every PP stage once the scheduler
     no longer broadcasts to middle stages; the enum scheduler registry (main) pulls the virtual stage's iterator by
     pipeline stage; the dev schedulers that broadcast to middle stages share packed samples between virtual stages;
-    the dynamic-CP rename ends the flag-dispatched hybrid schedule.
+    the schedulers that load data on every PP stage also feed every stage holding MTP layers; the dynamic-CP rename
+    ends the flag-dispatched hybrid schedule.
     """
     features = frozenset(caps.features)
     keywords = tuple(k for k in ("dynamic_cp", "config") if k in (caps.fetch_params or ()))
@@ -139,6 +140,7 @@ def _inferred(caps: Capabilities) -> Generation:
         virtual_stages_share_samples=native
         and "utils.broadcast_to_pp_group" in features
         and "registry.enum" not in features,
+        feeds_mtp_stages=native and "utils.broadcast_to_pp_group" not in features,
         sample_forms=("unpacked", "packed") if native else None,
         dynamic_cp_group_getter=caps.dynamic_cp_group_getter,
         dynamic_cp_schedulers=tuple(n for n in caps.scheduler_names if n == "default_dynamic_cp")

@@ -139,6 +139,10 @@ class Generation:
     was not None, and each stage's fetch drops the fields its stage does not need from them in place, so a later
     virtual stage's fetch of the same microbatch finds its fields gone (dev G2-G4): the list it gets must hold an
     iterator only in the entries this pipeline stage loads for (``[0]`` on the first, ``[-1]`` on the last)."""
+    feeds_mtp_stages: bool = False
+    """Whether MCore's scheduler gives the whole packed microbatch (tokens and labels) to every pipeline and virtual
+    stage holding multi-token-prediction layers (dev from G4b): elsewhere a stage other than the last one holding
+    them (``pipeline_model_parallel_layout``, "standalone" MTP) gets no tokens or no labels, and its fetch fails."""
     sample_forms: tuple[SampleForm, ...] | None = None
     """Sample forms MCore's scheduler accepts from the data iterator (None: no native scheduler)."""
     dynamic_cp_group_getter: str | None = None
@@ -184,6 +188,7 @@ def _dev(
     keywords: tuple[str, ...],
     stages: PipelineDataStages = "every",
     shared: bool = False,
+    feeds_mtp: bool = True,
     forms: tuple[SampleForm, ...] = _BOTH_FORMS,
     follows: tuple[ModelComponent, ...] = MODEL_COMPONENTS,
 ) -> Generation:
@@ -202,6 +207,7 @@ def _dev(
         pipeline_data_stages=stages,
         virtual_stage_source="first_present",
         virtual_stages_share_samples=shared,
+        feeds_mtp_stages=feeds_mtp,
         sample_forms=forms,
         dynamic_cp_group_getter=_DYNAMIC_GETTER,
         dynamic_cp_schedulers=("default_dynamic_cp",) if dynamic else (),
@@ -327,6 +333,7 @@ _ROWS = (
         keywords=("dynamic_cp",),
         stages="first_last",
         shared=True,
+        feeds_mtp=False,
         forms=("packed",),
         follows=("attention", "te_cp_stream", "mtp", "mamba"),
     ),

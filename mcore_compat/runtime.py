@@ -37,6 +37,7 @@ __all__ = [
     "require_pg_collection",
     "scheduler_name",
     "settings_words",
+    "standalone_mtp_stages",
     "step_limits",
     "virtual_stages",
 ]
@@ -226,6 +227,22 @@ def virtual_stages(model_config: Any) -> int | None:
     (after :func:`check_virtual_stages`)."""
     stages: Any = getattr(model_config, "virtual_pipeline_model_parallel_size", None)
     return int(stages) if _is_positive_int(stages) and stages > 1 else None
+
+
+def standalone_mtp_stages(model_config: Any) -> frozenset[tuple[int, int]]:
+    """The ``(pipeline rank, virtual stage)`` pairs holding multi-token-prediction layers other than the last
+    virtual stage of the last pipeline rank (Megatron-Core's "standalone" MTP), read from
+    ``model_config.pipeline_model_parallel_layout``; empty without a layout (MTP then sits on the last stage)."""
+    ranks = getattr(getattr(model_config, "pipeline_model_parallel_layout", None), "layout", None)
+    if not isinstance(ranks, list | tuple) or not ranks:
+        return frozenset()
+    last = (len(ranks) - 1, len(ranks[-1]) - 1)
+    return frozenset(
+        (pp_rank, vp_stage)
+        for pp_rank, stages in enumerate(ranks)
+        for vp_stage, layers in enumerate(stages)
+        if (pp_rank, vp_stage) != last and any(getattr(layer, "name", layer) == "mtp" for layer in layers)
+    )
 
 
 def check_settings(model_config: Any, pool: int, dynamic_cp: bool) -> None:

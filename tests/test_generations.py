@@ -54,6 +54,7 @@ def test_facts_read_off_features_agree_with_the_row(generation: str) -> None:
     assert inferred.pipeline_data_stages == row.pipeline_data_stages
     assert inferred.virtual_stage_source == row.virtual_stage_source
     assert inferred.virtual_stages_share_samples == row.virtual_stages_share_samples
+    assert inferred.feeds_mtp_stages == row.feeds_mtp_stages
     assert inferred.dynamic_cp_group_getter == row.dynamic_cp_group_getter
     assert inferred.runs_dynamic_cp_natively == row.runs_dynamic_cp_natively
     if generation != "G3":  # the one generation whose schedule dispatches on the renamed flag

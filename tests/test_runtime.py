@@ -18,6 +18,7 @@ from mcore_compat.runtime import (
     check_thd_settings,
     check_virtual_stages,
     require_groups,
+    standalone_mtp_stages,
     virtual_stages,
 )
 
@@ -186,3 +187,35 @@ VIRTUAL_STAGE_CASES: list[tuple[dict[str, Any], str | None]] = [
 def test_virtual_stage_settings(fields: dict[str, Any], fragment: str | None) -> None:
     message = _message(check_virtual_stages, SimpleNamespace(**fields))
     assert message is None if fragment is None else fragment in (message or ""), message
+
+
+def _layout(text: str, pp: int) -> SimpleNamespace:
+    """A layout as Megatron-Core's ``PipelineParallelLayerLayout`` holds it: per pipeline rank, per virtual stage, the
+    layers (enum members, read by ``name``); stage ``s`` of ``text`` runs on rank ``s % pp``."""
+    kinds = {"E": "embedding", "t": "decoder", "m": "mtp", "L": "loss"}
+    stages = [[SimpleNamespace(name=kinds[c]) for c in stage] for stage in text.split("|")]
+    return SimpleNamespace(layout=[stages[rank::pp] for rank in range(pp)])
+
+
+# (layout string, pipeline size, the (pipeline rank, virtual stage) pairs holding MTP layers off the last stage)
+MTP_CASES: list[tuple[str, int, set[tuple[int, int]]]] = [
+    ("EttmL", 1, set()),
+    ("Et|tmL", 2, set()),
+    ("Et|t|t|tmL", 2, set()),
+    ("Etm|L", 2, {(0, 0)}),
+    ("Et|tm|L", 3, {(1, 0)}),
+    ("Et|t|tm|L", 4, {(2, 0)}),
+    ("Et|t|tm|L", 2, {(0, 1)}),
+    ("Et|tm|t|L", 2, {(1, 0)}),
+]
+
+
+@pytest.mark.parametrize(("text", "pp", "expected"), MTP_CASES, ids=[f"{t}-pp{p}" for t, p, _ in MTP_CASES])
+def test_standalone_mtp_stages_read_off_the_layout(text: str, pp: int, expected: set[tuple[int, int]]) -> None:
+    config = SimpleNamespace(pipeline_model_parallel_layout=_layout(text, pp))
+    assert standalone_mtp_stages(config) == expected
+
+
+@pytest.mark.parametrize("config", [SimpleNamespace(), SimpleNamespace(pipeline_model_parallel_layout=None)])
+def test_no_layout_means_no_standalone_mtp(config: SimpleNamespace) -> None:
+    assert standalone_mtp_stages(config) == frozenset()

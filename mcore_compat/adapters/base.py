@@ -15,6 +15,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+from mcore_compat import runtime
 from mcore_compat.capabilities import Capabilities, route_prebuilder
 from mcore_compat.errors import PackingConfigError, UnsupportedPinError
 from mcore_compat.generations import FETCH_FUNCTION, GENERATIONS, SCHEDULER_MODULE, WRAP_FUNCTION, Generation
@@ -226,14 +227,17 @@ class PackingAdapter(ABC):
 
     # -- per-rank data ownership ----------------------------------------------------------------
 
-    def rank_loads_data(self, pg_collection: Any) -> bool:
-        """TP rank 0 of the PP stages that own data on this generation."""
+    def rank_loads_data(self, pg_collection: Any, model_config: Any = None) -> bool:
+        """TP rank 0 of the PP stages that own data on this generation, and of those that hold standalone MTP
+        layers (:func:`~mcore_compat.runtime.standalone_mtp_stages`), whose stage needs the whole microbatch."""
         if pg_collection.tp.rank() != 0:
             return False
         if self.facts.pipeline_data_stages == "every":
             return True
         pp_rank, pp_size = pg_collection.pp.rank(), pg_collection.pp.size()
-        return pp_rank in (0, pp_size - 1)
+        return pp_rank in (0, pp_size - 1) or any(
+            rank == pp_rank for rank, _ in runtime.standalone_mtp_stages(model_config)
+        )
 
     def virtual_stage_entry(self, pg_collection: Any) -> int | None:
         """With VPP, the entry of the per-virtual-stage iterator list this pin's scheduler pulls the step's samples

@@ -119,7 +119,7 @@ class NativeSchedulerAdapter(PackingAdapter):
 
     def config_refusal(self, model_config: Any, scheduler: str) -> str | None:
         """The portable backend's rules where ``scheduler`` runs there with this config, else the base rule."""
-        if self._runs_portably(scheduler, self.dynamic_cp_enabled(model_config)):
+        if self._runs_portably(scheduler, self.dynamic_cp_enabled(model_config)) or self._unfed_mtp(model_config):
             return self._portable().config_refusal(model_config, scheduler)
         return super().config_refusal(model_config, scheduler)
 
@@ -140,8 +140,15 @@ class NativeSchedulerAdapter(PackingAdapter):
         )
 
     def _config_runs_portably(self, model_config: Any) -> bool:
+        """What :meth:`_runs_portably` says for the configured scheduler, and every step whose model holds
+        standalone MTP layers where MCore's scheduler does not feed their stages
+        (:attr:`~mcore_compat.generations.Generation.feeds_mtp_stages`)."""
         scheduler = getattr(model_config, "sequence_packing_scheduler", None)
-        return self._runs_portably(scheduler, self.dynamic_cp_enabled(model_config))
+        return self._unfed_mtp(model_config) or self._runs_portably(scheduler, self.dynamic_cp_enabled(model_config))
+
+    def _unfed_mtp(self, model_config: Any) -> bool:
+        """Whether the model holds standalone MTP layers on a stage MCore's scheduler gives no whole microbatch."""
+        return not self.facts.feeds_mtp_stages and bool(runtime.standalone_mtp_stages(model_config))
 
     def _portable(self) -> PortableAdapter:
         if self._portable_adapter is None:
@@ -182,7 +189,7 @@ class NativeSchedulerAdapter(PackingAdapter):
         batch: LocalBatch | None = None
         source, position = None, None
         with collection_paused():  # the step's short-lived check objects must not age into a full collection
-            if self.rank_loads_data(pg_collection):
+            if self.rank_loads_data(pg_collection, model_config):
                 dp_rank = pg_collection.dp.rank()
                 stages, entry = runtime.virtual_stages(model_config), self.virtual_stage_entry(pg_collection)
                 source, position, verdict = stage_source(data_iterator, stages, dp_rank, entry)

@@ -203,7 +203,7 @@ class PortableAdapter(PackingAdapter):
             return self._wrap_dynamic(data_iterator, model_config, num_microbatches, pg_collection, settings, min_size)
         tp, pp = pg_collection.tp, pg_collection.pp
         batch = None
-        if self.rank_loads_data(pg_collection):
+        if self.rank_loads_data(pg_collection, model_config):
             dp_rank = pg_collection.dp.rank()
             stages, entry = runtime.virtual_stages(model_config), self.virtual_stage_entry(pg_collection)
             source, _, verdict = stage_source(data_iterator, stages, dp_rank, entry)
@@ -216,7 +216,10 @@ class PortableAdapter(PackingAdapter):
             raise_if_bad(words[:VERDICT_WIDTH])
             count, seqlen_sum, squared_sum = words[VERDICT_WIDTH:]
             return WrapResult(
-                self._iterators(None, pg_collection, settings), count, float(seqlen_sum), float(squared_sum)
+                self._iterators(None, pg_collection, settings, model_config),
+                count,
+                float(seqlen_sum),
+                float(squared_sum),
             )
         step = None
         if batch is not None:
@@ -228,7 +231,7 @@ class PortableAdapter(PackingAdapter):
             [*step.verdict, step.count, step.seqlen_sum, step.seqlen_squared_sum], _STEP_WIDTH, tp, device
         )
         raise_if_bad(step.verdict, step.cause)
-        iterators = self._iterators(step.microbatches, pg_collection, settings)
+        iterators = self._iterators(step.microbatches, pg_collection, settings, model_config)
         return WrapResult(iterators, step.count, float(step.seqlen_sum), float(step.seqlen_squared_sum))
 
     def _step_settings(self, model_config: Any, pg: Any) -> tuple[Settings, Limits, int | None]:
@@ -399,19 +402,22 @@ class PortableAdapter(PackingAdapter):
             cursor += 1 + 2 * n
         return Step(verdict, microbatches, count, seqlen_sum, squared_sum)
 
-    def _iterators(self, microbatches: list[dict[str, torch.Tensor]] | None, pg: Any, settings: Settings) -> Any:
-        """A ``RerunDataIterator`` on TP rank 0 (one per virtual stage with VPP), None elsewhere."""
+    def _iterators(
+        self, microbatches: list[dict[str, torch.Tensor]] | None, pg: Any, settings: Settings, model_config: Any = None
+    ) -> Any:
+        """A ``RerunDataIterator`` on TP rank 0 (one per virtual stage with VPP), None elsewhere: whole microbatches
+        for the first virtual stage of the first PP stage, the last of the last and those holding standalone MTP
+        layers, their metadata for the others."""
         vpp = settings.vpp_size if settings.vpp_size is not None and settings.vpp_size > 1 else None
         if microbatches is None:
             return None if vpp is None else [None] * vpp
         if vpp is None:
             return self._rerun_iterator(iter(microbatches))
-        first, last = pg.pp.rank() == 0, pg.pp.rank() == pg.pp.size() - 1
+        pp_rank = pg.pp.rank()
+        whole = {v for rank, v in runtime.standalone_mtp_stages(model_config) if rank == pp_rank}
+        whole |= ({0} if pp_rank == 0 else set()) | ({vpp - 1} if pp_rank == pg.pp.size() - 1 else set())
         metadata = [{k: mb[k] for k in METADATA_KEYS} for mb in microbatches]
-        return [
-            self._rerun_iterator(iter(microbatches if (first and v == 0) or (last and v == vpp - 1) else metadata))
-            for v in range(vpp)
-        ]
+        return [self._rerun_iterator(iter(microbatches if v in whole else metadata)) for v in range(vpp)]
 
     # -- get_batch: one microbatch --------------------------------------------------------------
 

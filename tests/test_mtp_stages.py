@@ -1,0 +1,98 @@
+"""Multi-token-prediction layers on any pipeline stage get the whole packed microbatch, on every backend.
+
+Megatron-Core's layout (``pipeline_model_parallel_layout``) may put MTP layers on a stage other than the last
+("standalone" MTP: the last virtual stage of another pipeline rank). That stage's fetch needs the microbatch's
+tokens and labels. Played on 4 gloo ranks on whichever Megatron-Core the session has (``$MCORE_SRC``, else the
+installed release): every rank packs the step, and the stage holding the MTP layers gets, for every microbatch,
+the very tokens and positions the first stage gets and the labels and loss mask the last stage gets. Where the
+pin's own scheduler feeds such stages (dev), the facade's microbatches are the pin's own. Heavy: one launch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from mcore_compat.testing import Layout, launch, locate_mcore
+from tests.mtp_ranks import Placement, StageRun, mtp_steps_on_rank
+
+SYS_PATH, NO_MCORE = locate_mcore()
+pytestmark = pytest.mark.skipif(NO_MCORE is not None, reason=NO_MCORE or "")
+
+PLACEMENTS = [
+    Placement("last stage", "Et|t|t|tmL", 2, 2, Layout(1, 1, 2)),
+    Placement("first rank's last virtual stage", "Et|t|tm|L", 2, 2, Layout(1, 1, 2)),
+    Placement("first rank's last virtual stage, TP 2", "Et|t|tm|L", 2, 2, Layout(2, 1, 1)),
+    Placement("first rank's last virtual stage, CP 2", "Et|t|tm|L", 2, 2, Layout(1, 2, 1)),
+    Placement("middle stage", "Et|t|tm|L", 4, None, Layout(1, 1, 1)),
+    Placement("first stage", "Etm|L", 2, None, Layout(1, 1, 2)),
+]
+
+
+def mtp_stage(placement: Placement) -> tuple[int, int | None]:
+    """The (pipeline rank, virtual stage) holding the MTP layers: stage ``s`` of the layout string runs on pipeline
+    rank ``s % pp`` as its virtual stage ``s // pp`` (Megatron-Core's interleaving)."""
+    (stage,) = [s for s, layers in enumerate(placement.layout.split("|")) if "m" in layers]
+    return stage % placement.pp, (stage // placement.pp if placement.vpp is not None else None)
+
+
+@pytest.fixture(scope="module")
+def played() -> dict[str, Any]:
+    (first, *rest) = launch(mtp_steps_on_rank, 4, args=(PLACEMENTS,), sys_path=SYS_PATH, timeout=300, pg_timeout=20)
+    runs: list[StageRun] = [run for result in (first, *rest) for run in result["runs"]]
+    return {"native_feeds": first["native_feeds"], "generation": first["generation"], "runs": runs}
+
+
+def _runs(played: dict[str, Any], placement: Placement, reference: bool = False) -> list[StageRun]:
+    return [r for r in played["runs"] if r.placement == placement.name and r.reference is reference]
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS, ids=[p.name for p in PLACEMENTS])
+def test_every_rank_packs_the_step(played: dict[str, Any], placement: Placement) -> None:
+    runs = _runs(played, placement)
+    assert len(runs) == 4
+    assert {(r.kind, r.message) for r in runs} == {("ok", "")}, played["generation"]
+    assert all(r.fetched for r in runs)
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS, ids=[p.name for p in PLACEMENTS])
+def test_the_mtp_stage_gets_the_first_stage_inputs_and_the_last_stage_targets(
+    played: dict[str, Any], placement: Placement
+) -> None:
+    runs = _runs(played, placement)
+    mtp_rank, mtp_vp = mtp_stage(placement)
+    first_vp = None if placement.vpp is None else 0
+    last_vp = None if placement.vpp is None else placement.vpp - 1
+
+    def at(pp: int, run: StageRun) -> StageRun:
+        (found,) = [r for r in runs if (r.pp, r.dp, r.cp, r.tp) == (pp, run.dp, run.cp, run.tp)]
+        return found
+
+    holders = [r for r in runs if r.pp == mtp_rank]
+    assert holders
+    for run in holders:
+        first, last = at(0, run), at(placement.pp - 1, run)
+        microbatches = sorted({m for m, _ in run.fetched})
+        assert microbatches == sorted({m for m, _ in first.fetched})
+        for m in microbatches:
+            got = run.fetched[(m, mtp_vp)]
+            assert all(got[key] is not None for key in got), (m, got)
+            assert got["tokens"] == first.fetched[(m, first_vp)]["tokens"]
+            assert got["position_ids"] == first.fetched[(m, first_vp)]["position_ids"]
+            assert got["labels"] == last.fetched[(m, last_vp)]["labels"]
+            assert got["loss_mask"] == last.fetched[(m, last_vp)]["loss_mask"]
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS, ids=[p.name for p in PLACEMENTS])
+def test_microbatches_are_the_pins_own_where_its_scheduler_feeds_mtp_stages(
+    played: dict[str, Any], placement: Placement
+) -> None:
+    if not played["native_feeds"]:
+        pytest.skip(f"{played['generation']}: the pin's own scheduler does not feed stages holding MTP layers")
+    checked = {(r.pp, r.dp, r.cp, r.tp): r.fetched for r in _runs(played, placement)}
+    reference = _runs(played, placement, reference=True)
+    if not reference:
+        pytest.skip(f"{played['generation']} reads pre-packed samples only, whose real lengths CP cannot partition")
+    assert {(r.kind, r.message) for r in reference} == {("ok", "")}
+    assert checked == {(r.pp, r.dp, r.cp, r.tp): r.fetched for r in reference}
