@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from mcore_compat.adapters import select_adapter
 from mcore_compat.capabilities import detect
+from mcore_compat.errors import BadSampleError
 from mcore_compat.testing import Case, Layout, cpu_patches, model_config
 from mcore_compat.testing.runner import mpu_pg_collection
 from mcore_compat.testing.samples import prepack
@@ -33,6 +34,8 @@ class Placement:
     pp: int
     vpp: int | None
     parallel: Layout
+    none_on_mtp_rank: bool = False
+    """The trainer passes ``data_iterator=None`` on the pipeline rank holding the MTP layers (when not an edge)."""
 
 
 @dataclass
@@ -47,6 +50,7 @@ class StageRun:
     tp: int
     kind: str = "ok"
     message: str = ""
+    bad_sample_error: bool = False
     fetched: dict[tuple[int, int | None], dict[str, list[int | float] | None]] = field(default_factory=dict)
 
 
@@ -68,6 +72,10 @@ def _step(placement: Placement, pg: Any, reference: bool) -> StageRun:
     config.mtp_num_layers = placement.layout.count("m")
     stages = [None] if placement.vpp is None else list(range(placement.vpp))
     loads = pg.tp.rank() == 0
+    edge = pg.pp.rank() in (0, pg.pp.size() - 1)
+    own_stages = placement.layout.split("|")[pg.pp.rank() :: placement.pp]  # stage s runs on rank s % pp
+    if placement.none_on_mtp_rank and not edge and any("m" in stage for stage in own_stages):
+        loads = False
     sources: list[Any] = [case.sample_spec.source(0, pg.dp.rank()) if loads else None for _ in stages]
     wrap, fetch = packing.wrap_data_iterator_for_global_batch_packing, packing.get_batch_for_global_batch_packing
     if reference:  # the samples as they are where the pin's own wrap reads unpacked ones, else pre-packed
@@ -86,6 +94,7 @@ def _step(placement: Placement, pg: Any, reference: bool) -> StageRun:
                 run.fetched[(microbatch, v)] = _fields(fetch(stream, config, pg_collection=pg, vp_stage=v))
     except Exception as exc:  # noqa: BLE001 - the test reports what each rank raised
         run.kind, run.message = type(exc).__name__, str(exc)
+        run.bad_sample_error = isinstance(exc, BadSampleError)
     return run
 
 

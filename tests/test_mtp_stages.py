@@ -28,6 +28,7 @@ PLACEMENTS = [
     Placement("middle stage", "Et|t|tm|L", 4, None, Layout(1, 1, 1)),
     Placement("first stage", "Etm|L", 2, None, Layout(1, 1, 2)),
 ]
+NO_ITERATOR = Placement("middle stage without an iterator", "Et|t|tm|L", 4, None, Layout(1, 1, 1), True)
 
 
 def mtp_stage(placement: Placement) -> tuple[int, int | None]:
@@ -39,7 +40,9 @@ def mtp_stage(placement: Placement) -> tuple[int, int | None]:
 
 @pytest.fixture(scope="module")
 def played() -> dict[str, Any]:
-    (first, *rest) = launch(mtp_steps_on_rank, 4, args=(PLACEMENTS,), sys_path=SYS_PATH, timeout=300, pg_timeout=20)
+    (first, *rest) = launch(
+        mtp_steps_on_rank, 4, args=([*PLACEMENTS, NO_ITERATOR],), sys_path=SYS_PATH, timeout=300, pg_timeout=20
+    )
     runs: list[StageRun] = [run for result in (first, *rest) for run in result["runs"]]
     return {"native_feeds": first["native_feeds"], "generation": first["generation"], "runs": runs}
 
@@ -96,3 +99,13 @@ def test_microbatches_are_the_pins_own_where_its_scheduler_feeds_mtp_stages(
         pytest.skip(f"{played['generation']} reads pre-packed samples only, whose real lengths CP cannot partition")
     assert {(r.kind, r.message) for r in reference} == {("ok", "")}
     assert checked == {(r.pp, r.dp, r.cp, r.tp): r.fetched for r in reference}
+
+
+def test_a_stage_holding_mtp_layers_without_an_iterator_fails_on_every_rank(played: dict[str, Any]) -> None:
+    """A middle stage holding MTP layers loads data: ``data_iterator=None`` there is refused on every rank alike."""
+    runs = _runs(played, NO_ITERATOR)
+    assert len(runs) == 4
+    ((kind, message),) = {(r.kind, r.message) for r in runs}
+    assert all(r.bad_sample_error for r in runs), kind
+    assert "data_iterator=None on DP rank 0" in message
+    assert "multi-token-prediction" in message

@@ -15,7 +15,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from mcore_compat import runtime
+import mcore_compat.runtime as runtime
 from mcore_compat.capabilities import Capabilities, route_prebuilder
 from mcore_compat.errors import PackingConfigError, UnsupportedPinError
 from mcore_compat.generations import FETCH_FUNCTION, GENERATIONS, SCHEDULER_MODULE, WRAP_FUNCTION, Generation

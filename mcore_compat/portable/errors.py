@@ -262,7 +262,8 @@ def describe(record: Sequence[int]) -> str:
     if problem is Problem.NO_ITERATOR:
         return (
             f"data_iterator=None on DP rank {rank}, a rank that loads data (TP rank 0 of a data-owning pipeline "
-            "stage); pass the raw sample iterator there and None only on the other TP ranks"
+            "stage: the first, the last, and one holding multi-token-prediction layers); pass the raw sample iterator "
+            "there and None only on the other TP ranks"
         )
     if problem is Problem.NOT_AN_ITERATOR:
         return (
