@@ -132,7 +132,8 @@ def decide(rows: Sequence[Row]) -> list[int]:
     below 1 or not an int; ranks passing different ``num_microbatches``; ranks reading different packing
     settings from their model config; the data running out on every loading rank
     (:func:`~mcore_compat.portable.errors.ran_out`: ``StopIteration`` when it ended between steps); the first
-    loading rank's problem; CP siblings (same PP stage and DP rank) that were fed different lengths.
+    loading rank's problem; CP siblings (same PP stage and DP rank) that were fed different lengths; pipeline stages
+    that load data for one DP rank and were fed different lengths.
     """
     refusing = [(rank, row) for rank, row in enumerate(rows) if row.verdict[0] == Problem.CONFIG_REFUSED]
     if refusing:
@@ -157,13 +158,17 @@ def decide(rows: Sequence[Row]) -> list[int]:
         return ended
     if problems:
         return problems[0]
-    seen: dict[tuple[int, int], tuple[int, Row]] = {}
+    siblings: dict[tuple[int, int], tuple[int, Row]] = {}
+    stages: dict[int, tuple[int, Row]] = {}
     for rank, row in enumerate(rows):
         if not row.loads:
             continue
-        first, lead = seen.setdefault((row.pp_rank, row.dp_rank), (rank, row))
+        first, lead = siblings.setdefault((row.pp_rank, row.dp_rank), (rank, row))
         if (lead.count, lead.digest) != (row.count, row.digest):
             return record(Problem.CP_MISMATCH, row.dp_rank, a=first, b=rank)
+        first, lead = stages.setdefault(row.dp_rank, (rank, row))
+        if (lead.count, lead.digest) != (row.count, row.digest):
+            return record(Problem.STAGE_MISMATCH, row.dp_rank, a=first, b=rank, c=row.pp_rank)
     return list(OK)
 
 
@@ -187,7 +192,7 @@ def all_agree(table: torch.Tensor) -> bool:
     if int(counts[0]) < 1 or bool((counts != counts[0]).any()) or bool((settings != settings[0]).any()):
         return False
     loading = rows[loads]
-    key = loading[:, _column("pp_rank")] * (1 << 32) + loading[:, _column("dp_rank")]
+    key = loading[:, _column("dp_rank")]  # CP siblings and the loading pipeline stages of a DP rank
     order = numpy.argsort(key, kind="stable")
     key, lengths = key[order], loading[order][:, [_column("count"), _column("digest")]]
     siblings_differ = (key[1:] == key[:-1]) & (lengths[1:] != lengths[:-1]).any(axis=1)

@@ -47,6 +47,8 @@ class BadInput:
     num_microbatches: Any = None
     extra_fetch: bool = False
     cp_rank: int | None = None
+    pp_rank: int | None = None
+    """Only on this pipeline stage (-1: the last); every stage when None."""
     layouts: tuple[str, ...] = ()
     """Only these layouts (``str(Layout)``); all when empty."""
     rank_config: tuple[tuple[str, Any], ...] = ()
@@ -349,7 +351,12 @@ list, None in every entry, an iterator in the first (or last) entry only."""
 
 def _hit(bad: BadInput, pg: Any) -> bool:
     """Whether the case's defect is on this rank."""
-    return (bad.dp_rank is None or bad.dp_rank == pg.dp.rank()) and (bad.cp_rank is None or bad.cp_rank == pg.cp.rank())
+    stage = None if bad.pp_rank is None else bad.pp_rank % pg.pp.size()
+    return (
+        (bad.dp_rank is None or bad.dp_rank == pg.dp.rank())
+        and (bad.cp_rank is None or bad.cp_rank == pg.cp.rank())
+        and (stage is None or stage == pg.pp.rank())
+    )
 
 
 def _stage_sources(case: Case, bad: BadInput, pg: Any, virtual: int | None) -> Any:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -112,6 +114,17 @@ def test_cp_siblings_fed_different_lengths_are_not_all_agreed() -> None:
     siblings = [_row(0), Row(list(OK), 4, 1, 0, 1, 0, 0, 3, 11, [7] * len(SETTINGS_FIELDS)), _row(1)]
     assert decide(siblings)[0] == Problem.CP_MISMATCH
     assert not all_agree(torch.tensor([row.words() for row in siblings]))
+
+
+def test_pipeline_stages_fed_different_lengths_are_not_all_agreed() -> None:
+    """The first and the last pipeline stage of DP rank 0 loaded different sequences; the middle stage loads none."""
+    stages = [Row(list(OK), 4, 1, 0, 0, pp, 0, 2, 11 + (pp == 2), [7] * len(SETTINGS_FIELDS)) for pp in range(3)]
+    stages[1] = dataclasses.replace(stages[1], loads=0, count=0, digest=0)
+    assert decide(stages) == record(Problem.STAGE_MISMATCH, 0, a=0, b=2, c=2)
+    assert not all_agree(torch.tensor([row.words() for row in stages]))
+    stages[2] = dataclasses.replace(stages[2], digest=11)
+    assert decide(stages) == list(OK)
+    assert all_agree(torch.tensor([row.words() for row in stages]))
 
 
 def _loading(dp: int, cp: int, count: int, tokens: int, loads: int = 1) -> Row:

@@ -47,6 +47,9 @@ CONFIG = "PackingConfigError"
 FIRST_BIN = "refused where dp_balanced never splits its first bin"
 """A good step that Megatron-Core's dp_balanced cannot round where its first bin never donates (main): refused
 on every rank (BAD) there; packed everywhere else."""
+STAGES = "refused where there are pipeline stages"
+"""A defect on one pipeline stage only: BAD with the case's fragments where the layout has pipeline stages (they load
+different samples for one DP rank); with one stage it hits every rank of that DP rank alike, and the step packs."""
 PADDED = "refused where the backend does not pad packed microbatches"
 """A bad input under THD padding (``pad_packed_seq_alignment``): the portable backend refuses the setting on every
 rank (naming it); where Megatron-Core's fetch pads, BAD with the case's fragments."""
@@ -285,6 +288,11 @@ CASES: list[tuple[BadInput, str, tuple[str, ...]]] = [
     ),
     (BadInput("data_iterator None on a loading rank", "none_iterator"), BAD, ("data_iterator=None", "DP rank 1")),
     (
+        BadInput("the last pipeline stage fed other samples", "shortest", pp_rank=-1),
+        STAGES,
+        ("pipeline stages", "DP rank 1", "same samples"),
+    ),
+    (
         BadInput(
             "one iterator, not a list per virtual stage",
             config=(("virtual_pipeline_model_parallel_size", 2), ("microbatch_group_size_per_vp_stage", 4)),
@@ -480,6 +488,8 @@ def _assert_alike_and_clear(outcomes: dict, case: BadInput, expected: str, fragm
         expected, fragments = (BAD, fragments) if outcomes["first_bin_refused"] else ("ok", ())
     if expected == FIXED_ENTRY:
         expected, fragments = (BAD, fragments) if outcomes["fixed_entry"] else ("ok", ())
+    if expected == STAGES:
+        expected, fragments = (BAD, fragments) if outcomes["pipeline"] else ("ok", ())
     if expected == PADDED:
         expected, fragments = (
             ("UnsupportedPinError", ("pad_packed_seq_alignment",))
@@ -617,6 +627,7 @@ INTERLEAVED_TABLE_CASES = (
     "oversize on one rank",
     "one rank exhausted",
     "iterator raises",
+    "the last pipeline stage fed other samples",
     "num_microbatches differs",
     "capacity differs on one rank",
     "extra fetch",

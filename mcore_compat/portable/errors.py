@@ -119,6 +119,7 @@ class Problem(enum.IntEnum):
     PACKED_RAW_ITERATOR = 33
     PACKED_NOT_AN_ITERATOR = 34
     STAGE_ITERATOR_NONE = 35
+    STAGE_MISMATCH = 36
 
 
 class TensorKind(enum.IntEnum):
@@ -442,6 +443,12 @@ def describe(record: Sequence[int]) -> str:
         return (
             f"context-parallel siblings disagree: ranks {a} and {b} (same DP rank {rank}) received different "
             "samples; feed CP siblings identical data (select samples by DP rank only)"
+        )
+    if problem is Problem.STAGE_MISMATCH:
+        return (
+            f"pipeline stages disagree: ranks {a} and {b} (DP rank {rank}; rank {b} on pipeline stage {c}) pulled "
+            "different samples, so one stage's tokens would meet another's labels; feed every pipeline stage that "
+            "loads data the same samples in the same order for its DP rank (seed and shard by DP rank only)"
         )
     if problem is Problem.PACKED_EXHAUSTED:
         return (
