@@ -69,7 +69,8 @@ def _step(placement: Placement, pg: Any, reference: bool) -> StageRun:
         config.microbatch_group_size_per_vp_stage = placement.pp
     layouts = importlib.import_module("megatron.core.transformer.pipeline_parallel_layer_layout")
     config.pipeline_model_parallel_layout = layouts.PipelineParallelLayerLayout(placement.layout, placement.pp)
-    config.mtp_num_layers = placement.layout.count("m")
+    config.mtp_num_layers = placement.layout.count("m") or None
+    config.pipeline_model_parallel_size = placement.pp  # as a TransformerConfig holds it (releases before 0.16 read it)
     stages = [None] if placement.vpp is None else list(range(placement.vpp))
     loads = pg.tp.rank() == 0
     edge = pg.pp.rank() in (0, pg.pp.size() - 1)
@@ -122,4 +123,10 @@ def mtp_steps_on_rank(rank: int, world_size: int, placements: list[Placement]) -
                     dist.barrier()
             finally:
                 state.destroy_model_parallel()
-    return {"generation": adapter.capabilities.generation, "native_feeds": native_feeds, "runs": runs}
+    mtp = importlib.import_module("megatron.core.transformer.multi_token_prediction")
+    return {
+        "generation": adapter.capabilities.generation,
+        "native_feeds": native_feeds,
+        "places_mtp_by_layout": hasattr(mtp, "mtp_on_this_rank"),
+        "runs": runs,
+    }

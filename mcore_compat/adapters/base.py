@@ -315,9 +315,13 @@ def mtp_probe() -> MtpProbe:
     """Megatron-Core's ``mtp_on_this_rank`` called in the form this pin defines (its signature is read once).
 
     Early dev pins (G2 to the first G4b commit) take ``(config, ignore_virtual, vp_stage)``; later dev
-    and main take ``(layout, mtp_num_layers, ignore_virtual, vp_stage)``.
+    and main take ``(layout, mtp_num_layers, ignore_virtual, vp_stage)``. Releases before 0.16 have none: they
+    build MTP layers on the last virtual stage of the last pipeline stage only (``get_mtp_num_layers_to_build``).
     """
-    fn = importlib.import_module("megatron.core.transformer.multi_token_prediction").mtp_on_this_rank
+    module = importlib.import_module("megatron.core.transformer.multi_token_prediction")
+    fn = getattr(module, "mtp_on_this_rank", None)
+    if fn is None:
+        return lambda config, vp_stage: bool(module.get_mtp_num_layers_to_build(config, vp_stage=vp_stage))
     if "config" in inspect.signature(fn).parameters:
         return lambda config, vp_stage: bool(fn(config, ignore_virtual=False, vp_stage=vp_stage))
     return lambda config, vp_stage: bool(
