@@ -103,6 +103,7 @@ def mtp_steps_on_rank(rank: int, world_size: int, placements: list[Placement]) -
     """Every placement on this rank (each in its own model-parallel state); also reports the generation facts."""
     adapter = select_adapter(detect())
     native_feeds = adapter.facts.native_scheduler and adapter.facts.feeds_mtp_stages
+    reads_unpacked = "unpacked" in (adapter.facts.sample_forms or ())
     runs = []
     with cpu_patches(context_parallel=any(p.parallel.cp > 1 for p in placements)):
         state = importlib.import_module("megatron.core.parallel_state")
@@ -116,7 +117,6 @@ def mtp_steps_on_rank(rank: int, world_size: int, placements: list[Placement]) -
             try:
                 pg = mpu_pg_collection()
                 # Pre-packed samples' real lengths are not aligned for CP: no own run to compare with there.
-                reads_unpacked = "unpacked" in (adapter.facts.sample_forms or ())
                 own_run = native_feeds and (reads_unpacked or placement.parallel.cp == 1)
                 for reference in (False, True) if own_run else (False,):
                     runs.append(_step(placement, pg, reference))
