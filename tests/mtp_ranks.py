@@ -54,6 +54,13 @@ class StageRun:
     fetched: dict[tuple[int, int | None], dict[str, list[int | float] | None]] = field(default_factory=dict)
 
 
+def mtp_stage(placement: Placement) -> tuple[int, int | None]:
+    """The (pipeline rank, virtual stage) holding the MTP layers: stage ``s`` of the layout string runs on pipeline
+    rank ``s % pp`` as its virtual stage ``s // pp`` (Megatron-Core's interleaving)."""
+    (stage,) = [s for s, layers in enumerate(placement.layout.split("|")) if "m" in layers]
+    return stage % placement.pp, (stage // placement.pp if placement.vpp is not None else None)
+
+
 def _fields(batch: Any) -> dict[str, list[int | float] | None]:
     tensors = dict(zip(FIELDS, (batch[0], batch[1], batch[2], batch[4]), strict=True))
     return {k: v.reshape(-1).tolist() if isinstance(v, torch.Tensor) else None for k, v in tensors.items()}
@@ -74,8 +81,7 @@ def _step(placement: Placement, pg: Any, reference: bool) -> StageRun:
     stages = [None] if placement.vpp is None else list(range(placement.vpp))
     loads = pg.tp.rank() == 0
     edge = pg.pp.rank() in (0, pg.pp.size() - 1)
-    own_stages = placement.layout.split("|")[pg.pp.rank() :: placement.pp]  # stage s runs on rank s % pp
-    if placement.none_on_mtp_rank and not edge and any("m" in stage for stage in own_stages):
+    if placement.none_on_mtp_rank and not edge and mtp_stage(placement)[0] == pg.pp.rank():
         loads = False
     sources: list[Any] = [case.sample_spec.source(0, pg.dp.rank()) if loads else None for _ in stages]
     wrap, fetch = packing.wrap_data_iterator_for_global_batch_packing, packing.get_batch_for_global_batch_packing

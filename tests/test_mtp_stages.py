@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from mcore_compat.testing import Layout, launch, locate_mcore
-from tests.mtp_ranks import Placement, StageRun, mtp_steps_on_rank
+from tests.mtp_ranks import Placement, StageRun, mtp_stage, mtp_steps_on_rank
 
 SYS_PATH, NO_MCORE = locate_mcore()
 pytestmark = pytest.mark.skipif(NO_MCORE is not None, reason=NO_MCORE or "")
@@ -30,13 +30,6 @@ PLACEMENTS = [
     Placement("a layout without MTP layers", "Ett|t|t|tL", 2, 2, Layout(1, 1, 2)),
 ]
 NO_ITERATOR = Placement("middle stage without an iterator", "Et|t|tm|L", 4, None, Layout(1, 1, 1), True)
-
-
-def mtp_stage(placement: Placement) -> tuple[int, int | None]:
-    """The (pipeline rank, virtual stage) holding the MTP layers: stage ``s`` of the layout string runs on pipeline
-    rank ``s % pp`` as its virtual stage ``s // pp`` (Megatron-Core's interleaving)."""
-    (stage,) = [s for s, layers in enumerate(placement.layout.split("|")) if "m" in layers]
-    return stage % placement.pp, (stage // placement.pp if placement.vpp is not None else None)
 
 
 def _last(placement: Placement) -> int | None:
