@@ -133,6 +133,8 @@ def report() -> dict[str, Any]:
             and data_probe is not None
             and data_probe(row["scheduler"], dynamic_cp=True) is None
         )
+        runs = row["runnable"] or row["needs_model_support"]
+        row["backend"] = chosen.backend_for(row["scheduler"], dynamic_cp=row["dynamic_cp"]) if runs else None
     found = versions(caps)
     return {
         "versions": found,
@@ -176,9 +178,9 @@ def format_report(data: Mapping[str, Any], verbose: bool = False) -> str:
     width = max(len(row["scheduler"]) for row in data["schedulers"])
     for row in sorted(data["schedulers"], key=lambda row: not row["runnable"]):
         mode = "dynamic CP" if row["dynamic_cp"] else "static CP"
-        answer = f"runs ({data['backend']} backend)" if row["runnable"] else f"no: {row['reason']}"
-        if row.get("needs_model_support"):
-            answer = f"runs (portable backend) {MODEL_SUPPORT_CALL}"
+        answer = f"runs ({row['backend']} backend)" if row["runnable"] else f"no: {row['reason']}"
+        if row["needs_model_support"]:
+            answer = f"runs ({row['backend']} backend) {MODEL_SUPPORT_CALL}"
         lines.append(f"  {row['scheduler']:<{width}}  {mode:<10}  {answer}")
     found = data["versions"]
     lines += [

@@ -11,6 +11,7 @@ import copy
 import re
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ from mcore_compat.testing import (
     standard_cases,
 )
 from mcore_compat.testing.records import WORLD_4_LAYOUTS
+from tests.conftest import doctor_report
 
 SYS_PATH, NO_MCORE = locate_mcore()
 pytestmark = pytest.mark.skipif(NO_MCORE is not None, reason=NO_MCORE or "")
@@ -79,6 +81,22 @@ def test_balanced_steps_pass_every_check(balanced_runs: dict[Case, CaseRun], cas
         fewer.append(ranks[0].num_microbatches < reference.num_microbatches)
     if case.layout == Layout(1, 1, 4):
         assert any(fewer), "the ranks ran dp_balanced's plan, not balanced's"
+
+
+def test_doctor_names_the_backend_that_packed(runs: dict[Case, CaseRun], balanced_runs: dict[Case, CaseRun]):
+    """Every scheduler and mode that ran here ran on the backend the doctor's row names (the ranks saw whether
+    Megatron-Core's own ``wrap_data_iterator`` was called); on dev and main ``balanced`` is the portable one's."""
+    _, report = doctor_report(*map(Path, SYS_PATH))
+    rows = {(row["scheduler"], row["dynamic_cp"]): row for row in report["schedulers"]}
+    ran = [(run.case, run.backend) for run in [*runs.values(), *balanced_runs.values()] if not run.skipped]
+    if not ran:
+        pytest.skip("this pin ran no case")
+    wrong = [
+        (case.name, backend, rows[case.scheduler, case.dynamic_cp]["backend"])
+        for case, backend in ran
+        if rows[case.scheduler, case.dynamic_cp]["backend"] != backend
+    ]
+    assert not wrong, f"(case, backend that packed, doctor's backend): {wrong}"
 
 
 def _ran(runs: dict[Case, CaseRun], case: Case) -> CaseRun:

@@ -85,6 +85,10 @@ class PackingAdapter(ABC):
     def probe(self, scheduler: str, *, dynamic_cp: bool = False) -> str | None:
         """Why ``scheduler`` cannot run on this pin, as one actionable sentence, or None."""
 
+    def backend_for(self, scheduler: str, *, dynamic_cp: bool = False) -> str:
+        """The backend that packs ``scheduler`` in that mode here (its probe decides whether it runs at all)."""
+        return self.backend
+
     def refusal(self, missing: str, remedy: str) -> str:
         """Format a probe answer: what is missing, the detected generation and what fixes it from here."""
         return f"{missing}; detected {self.capabilities.describe()}. {remedy}"

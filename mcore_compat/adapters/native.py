@@ -102,6 +102,10 @@ class NativeSchedulerAdapter(PackingAdapter):
             or self.missing_native_api(scheduler, dynamic_cp)
         )
 
+    def backend_for(self, scheduler: str, *, dynamic_cp: bool = False) -> str:
+        """``portable`` for what Megatron-Core's registry lacks here (e.g. ``balanced``), else ``native``."""
+        return self._portable().backend if self._runs_portably(scheduler, dynamic_cp) else self.backend
+
     def scheduler_api(self) -> SchedulerApi:
         return self._wrap, self._fetch
 

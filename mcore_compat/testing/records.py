@@ -135,6 +135,8 @@ class CaseResult:
     steps: list[RankStep] = field(default_factory=list)
     generation: str | None = None
     backend: str | None = None
+    """The backend that packed the steps: ``native`` where Megatron-Core's own ``wrap_data_iterator`` ran, else
+    ``portable``; for a skipped case, the adapter's."""
     routes: bool = False
     """Whether the pin prebuilds THD CP partition routes in finalize (dev G7+)."""
 

@@ -8,6 +8,7 @@ and ``finalize_packed_seq_params`` for each returned microbatch, and records wha
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import os
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mcore_compat.generations import SCHEDULER_MODULE, WRAP_FUNCTION
 from mcore_compat.testing.checks import check_steps
 from mcore_compat.testing.launcher import launch
 from mcore_compat.testing.patches import cpu_patches
@@ -131,11 +133,45 @@ def mpu_pg_collection() -> Any:
     )
 
 
-def _pin() -> dict[str, Any]:
+def _pin(native_wraps: list[int] | None = None) -> dict[str, Any]:
+    """The detected generation, the backend (with ``native_wraps``: the one that ran, else the adapter's) and
+    whether the pin prebuilds CP routes."""
     from mcore_compat import adapter, detect
 
     caps = detect()
-    return {"generation": caps.generation, "backend": adapter().backend, "routes": caps.has_route_prebuilder}
+    backend = adapter().backend if native_wraps is None else "native" if native_wraps[0] else "portable"
+    return {"generation": caps.generation, "backend": backend, "routes": caps.has_route_prebuilder}
+
+
+@contextmanager
+def _counting_native_wraps() -> Iterator[list[int]]:
+    """Count the calls of Megatron-Core's own ``wrap_data_iterator`` in the block (``[count]``; it stays 0
+    where the pin has none): which backend really packed. The adapter is chosen afresh inside the block, so
+    that it holds the counting function, and again after it."""
+    import mcore_compat
+
+    calls = [0]
+    try:
+        module = importlib.import_module(SCHEDULER_MODULE)
+    except ImportError:
+        module = None
+    original = getattr(module, WRAP_FUNCTION, None)
+    if original is None:
+        yield calls
+        return
+
+    @functools.wraps(original)
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    setattr(module, WRAP_FUNCTION, counted)
+    mcore_compat.reset()
+    try:
+        yield calls
+    finally:
+        setattr(module, WRAP_FUNCTION, original)
+        mcore_compat.reset()
 
 
 def _clone(tensor: Any) -> torch.Tensor | None:
@@ -233,11 +269,12 @@ def run_case_on_rank(rank: int, case: Case) -> CaseResult:
         reason = _probe(case)
         if reason is not None:
             return CaseResult(case, rank, skipped=reason, patches=applied, **_pin())
-        with model_parallel(case):
+        with model_parallel(case), _counting_native_wraps() as native_wraps:
             pg_collection = mpu_pg_collection()
             config = model_config(case)
             steps = [_run_step(case, step, pg_collection, config) for step in range(case.steps)]
-    return CaseResult(case, rank, skipped=None, patches=applied, steps=steps, **_pin())
+            ran = _pin(native_wraps)
+    return CaseResult(case, rank, skipped=None, patches=applied, steps=steps, **ran)
 
 
 def _worker(rank: int, world_size: int, cases: Sequence[Case], setup: Callable[[], None] | None) -> list[CaseResult]:
