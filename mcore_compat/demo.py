@@ -35,9 +35,9 @@ def format_run(run: CaseRun, errors: list[str]) -> str:
         "",
         "  rank  tp  cp  dp  microbatches  tokens  padding  bin fill",
     ]
-    for r in ranks:
-        padding = sum(int(mb.padding_mask.sum()) for mb in r.microbatches if mb.padding_mask is not None)
-        slots = sum(mb.padding_mask.numel() for mb in r.microbatches if mb.padding_mask is not None)
+    for r in ranks:  # the test samples' loss mask is 1 on every real token (dev G2-G4b return no padding mask)
+        slots = sum(mb.loss_mask.numel() for mb in r.microbatches if mb.loss_mask is not None)
+        padding = slots - sum(int(mb.loss_mask.sum()) for mb in r.microbatches if mb.loss_mask is not None)
         fill = slots / (len(r.microbatches) * capacity) if r.microbatches else 0.0
         lines.append(
             f"  {r.rank:>4}  {r.tp_rank:>2}  {r.cp_rank:>2}  {r.dp_rank:>2}  {len(r.microbatches):>12}  "

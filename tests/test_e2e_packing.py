@@ -198,10 +198,12 @@ MUTATIONS: list[tuple[str, Case, Mutation, str]] = [
 @pytest.mark.parametrize(("case", "mutate", "message"), [m[1:] for m in MUTATIONS], ids=[m[0] for m in MUTATIONS])
 def test_each_check_is_live(runs: dict[Case, CaseRun], case: Case, mutate: Mutation, message: str):
     run = _ran(runs, case)
+    if mutate is _unflag_padding and not run.padding_mask:
+        pytest.skip(f"the fetch of {run.generation} returns no padding mask")
     steps = copy.deepcopy(run.steps)
-    assert not check_steps(case, steps, routes=run.routes)
+    assert not check_steps(case, steps, routes=run.routes, padding_mask=run.padding_mask)
     mutate(steps)
-    errors = check_steps(case, steps, routes=run.routes)
+    errors = check_steps(case, steps, routes=run.routes, padding_mask=run.padding_mask)
     assert any(message in e for e in errors), errors[:5]
 
 

@@ -63,10 +63,13 @@ class CaseRun:
     generation: str | None = None
     backend: str | None = None
     routes: bool = False
+    padding_mask: bool = True
 
     def errors(self) -> list[str]:
         """Every check error of every step (empty when skipped)."""
-        return [] if self.skipped else check_steps(self.case, self.steps, routes=self.routes)
+        if self.skipped:
+            return []
+        return check_steps(self.case, self.steps, routes=self.routes, padding_mask=self.padding_mask)
 
 
 def model_config(case: Case) -> SimpleNamespace:
@@ -115,32 +118,45 @@ def model_parallel(case: Case) -> Iterator[None]:
 
 
 def mpu_pg_collection() -> Any:
-    """The model's ``ProcessGroupCollection`` from ``parallel_state``.
+    """The model's ``ProcessGroupCollection`` from ``parallel_state``, with the five groups packing reads.
 
     megatron-core 0.13-0.15 predate it (their ``ModelCommProcessGroups`` has no DP groups); there a
-    namespace with the same five groups stands in.
+    namespace with the same five groups stands in. Where ``use_mpu_process_groups`` leaves a group unset
+    (dev commits of late 2025 had no getter for ``dp`` and ``dp_cp`` in it), ``parallel_state`` fills it in.
     """
     groups = importlib.import_module("megatron.core.process_groups_config")
-    if hasattr(groups, "ProcessGroupCollection"):
-        return groups.ProcessGroupCollection.use_mpu_process_groups(required_pgs=REQUIRED_PGS)
     parallel_state = importlib.import_module("megatron.core.parallel_state")
-    return SimpleNamespace(
-        tp=parallel_state.get_tensor_model_parallel_group(),
-        pp=parallel_state.get_pipeline_model_parallel_group(),
-        cp=parallel_state.get_context_parallel_group(),
-        dp=parallel_state.get_data_parallel_group(),
-        dp_cp=parallel_state.get_data_parallel_group(with_context_parallel=True),
-    )
+    getters: dict[str, Callable[[], Any]] = {
+        "tp": parallel_state.get_tensor_model_parallel_group,
+        "pp": parallel_state.get_pipeline_model_parallel_group,
+        "cp": parallel_state.get_context_parallel_group,
+        "dp": parallel_state.get_data_parallel_group,
+        "dp_cp": functools.partial(parallel_state.get_data_parallel_group, with_context_parallel=True),
+    }
+    if not hasattr(groups, "ProcessGroupCollection"):
+        return SimpleNamespace(**{name: getter() for name, getter in getters.items()})
+    collection = groups.ProcessGroupCollection.use_mpu_process_groups(required_pgs=REQUIRED_PGS)
+    for name, getter in getters.items():
+        if not hasattr(collection, name):
+            setattr(collection, name, getter())
+    return collection
 
 
 def _pin(native_wraps: list[int] | None = None) -> dict[str, Any]:
-    """The detected generation, the backend (with ``native_wraps``: the one that ran, else the adapter's) and
-    whether the pin prebuilds CP routes."""
+    """The detected generation, the backend (with ``native_wraps``: the one that ran, else the adapter's),
+    whether the pin prebuilds CP routes and whether the fetch returns a padding mask (not the pin's own six-value
+    fetch)."""
     from mcore_compat import adapter, detect
 
     caps = detect()
     backend = adapter().backend if native_wraps is None else "native" if native_wraps[0] else "portable"
-    return {"generation": caps.generation, "backend": backend, "routes": caps.has_route_prebuilder}
+    padding_mask = backend == "portable" or caps.fetch_arity != 6
+    return {
+        "generation": caps.generation,
+        "backend": backend,
+        "routes": caps.has_route_prebuilder,
+        "padding_mask": padding_mask,
+    }
 
 
 @contextmanager
@@ -369,7 +385,16 @@ def run_cases(
         if index in refused:
             answer = refused[index]
             runs.append(
-                CaseRun(case, answer.skipped, answer.patches, [], answer.generation, answer.backend, answer.routes)
+                CaseRun(
+                    case,
+                    answer.skipped,
+                    answer.patches,
+                    [],
+                    answer.generation,
+                    answer.backend,
+                    answer.routes,
+                    answer.padding_mask,
+                )
             )
             continue
         column = next(ran)
@@ -380,7 +405,11 @@ def run_cases(
         skipped = reasons.pop()
         steps = [] if skipped else [[r.steps[s] for r in results] for s in range(case.steps)]
         first = results[0]
-        runs.append(CaseRun(case, skipped, first.patches, steps, first.generation, first.backend, first.routes))
+        runs.append(
+            CaseRun(
+                case, skipped, first.patches, steps, first.generation, first.backend, first.routes, first.padding_mask
+            )
+        )
     return runs
 
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from mcore_compat.testing import Case, cpu_patches, model_config
 from mcore_compat.testing.runner import mpu_pg_collection
+from tests.model.rope_ranks import packed_rope
 
 VOCAB = 31
 HIDDEN = 16
@@ -95,10 +96,7 @@ class TinyModel(torch.nn.Module):
             emb = self.rope(hidden.shape[0])
         else:  # as GPTModel computes them for THD: full-length frequencies, CP slicing left to RoPE
             length = max(int(packed_seq_params.max_seqlen_q), int(packed_seq_params.max_seqlen_kv))
-            keywords = {}
-            if "cp_group" in inspect.signature(self.rope.forward).parameters:  # pins from core_r0.16 on
-                keywords["cp_group"] = packed_seq_params.cp_group
-            emb = self.rope(length, packed_seq=True, **keywords)
+            emb = packed_rope(self.rope, length, packed_seq_params)
         out, _ = self.attention(hidden, None, rotary_pos_emb=emb, packed_seq_params=packed_seq_params)
         return self.head(hidden + out).transpose(0, 1)
 

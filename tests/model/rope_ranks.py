@@ -38,6 +38,17 @@ SEQUENCE_LENGTHS = (16, 12, 20, 8, 21, 7)
 """Real lengths; each is padded to a multiple of twice its bin's CP size."""
 
 
+def packed_rope(rope: Any, length: int, params: Any) -> torch.Tensor:
+    """RoPE frequencies of a THD microbatch, asked as the pin's ``GPTModel`` asks: with ``packed_seq_params`` where
+    ``RotaryEmbedding.forward`` takes them (dev between its hybrid-CP feature and the merge of main's), else with
+    ``packed_seq=True`` and, from core_r0.16 on, the microbatch's ``cp_group``."""
+    parameters = inspect.signature(rope.forward).parameters
+    if "packed_seq_params" in parameters:
+        return rope(length, packed_seq_params=params)
+    keywords = {"cp_group": params.cp_group} if "cp_group" in parameters else {}
+    return rope(length, packed_seq=True, **keywords)
+
+
 def hidden_states() -> list[torch.Tensor]:
     """The sequences' input hidden states, [length, hidden] float64, the same in every process."""
     generator = torch.Generator().manual_seed(1234)
@@ -213,7 +224,7 @@ def dynamic_cp_on_rank(rank: int, world_size: int, state_dict: dict[str, torch.T
                 index = 0 if members is None else members.index(rank)
                 states, params, owners = _microbatch(sequences, size, index, group)
                 try:
-                    emb = rope(params.max_seqlen_q, packed_seq=True, cp_group=params.cp_group)
+                    emb = packed_rope(rope, params.max_seqlen_q, params)
                     module(states, None, rotary_pos_emb=emb, packed_seq_params=params)
                     query, key = module.core_attention.seen.pop()
                     results[case] = {"owners": owners, "query": query, "key": key}
