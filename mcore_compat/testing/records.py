@@ -140,7 +140,7 @@ class CaseResult:
     routes: bool = False
     """Whether the pin prebuilds THD CP partition routes in finalize (dev G7+)."""
     padding_mask: bool = True
-    """Whether the fetch returns a padding mask: not where the pin's own six-value fetch ran (dev G2-G4)."""
+    """Whether the fetch returns a padding mask: not where the pin's own six-value fetch ran (dev G2-G4b)."""
 
 
 WORLD_4_LAYOUTS = (Layout(1, 2, 2), Layout(2, 1, 2), Layout(2, 2, 1), Layout(1, 1, 4), Layout(1, 4, 1))

@@ -383,19 +383,7 @@ def run_cases(
     runs = []
     for index, case in enumerate(cases):
         if index in refused:
-            answer = refused[index]
-            runs.append(
-                CaseRun(
-                    case,
-                    answer.skipped,
-                    answer.patches,
-                    [],
-                    answer.generation,
-                    answer.backend,
-                    answer.routes,
-                    answer.padding_mask,
-                )
-            )
+            runs.append(_case_run(case, refused[index], refused[index].skipped, []))
             continue
         column = next(ran)
         results = [rank_results[column] for rank_results in per_rank]
@@ -404,13 +392,22 @@ def run_cases(
             raise RuntimeError(f"{case.name}: ranks disagree on whether the pin can run it: {reasons}")
         skipped = reasons.pop()
         steps = [] if skipped else [[r.steps[s] for r in results] for s in range(case.steps)]
-        first = results[0]
-        runs.append(
-            CaseRun(
-                case, skipped, first.patches, steps, first.generation, first.backend, first.routes, first.padding_mask
-            )
-        )
+        runs.append(_case_run(case, results[0], skipped, steps))
     return runs
+
+
+def _case_run(case: Case, result: CaseResult, skipped: str | None, steps: list[list[RankStep]]) -> CaseRun:
+    """The run of ``case``, with what the first rank (or the probe) reported about the pin."""
+    return CaseRun(
+        case,
+        skipped,
+        result.patches,
+        steps,
+        result.generation,
+        result.backend,
+        result.routes,
+        result.padding_mask,
+    )
 
 
 __all__ = [
