@@ -158,15 +158,24 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
+def _mode(row: Mapping[str, Any]) -> str:
+    return "dynamic CP" if row["dynamic_cp"] else "static CP"
+
+
 def _served(data: Mapping[str, Any]) -> str:
     caps = data["capabilities"]
     if caps["import_error"] is not None:
         return f"adapter: {data['adapter']} (no usable Megatron-Core: {caps['import_error']})"
     generation = data["generation"] or "an unknown generation, from its features,"
     commit = f", commit {caps['mcore_commit'][:10]}" if caps["mcore_commit"] else ""
+    besides = ""
+    other = [row for row in data["schedulers"] if row["backend"] not in (None, data["backend"])]
+    if other:
+        labels = ", ".join(f"{row['scheduler']} {_mode(row)}" for row in other)
+        besides = f" ({labels} on the {', '.join(sorted({row['backend'] for row in other}))} backend)"
     return (
         f"adapter: {data['adapter']} serves {generation} "
-        f"(megatron-core {data['versions']['megatron_core']}{commit}) with the {data['backend']} backend"
+        f"(megatron-core {data['versions']['megatron_core']}{commit}) with the {data['backend']} backend{besides}"
     )
 
 
@@ -177,7 +186,7 @@ def format_report(data: Mapping[str, Any], verbose: bool = False) -> str:
     lines = [f"global-batch packing: {verdict} ({len(runs)} of {len(data['schedulers'])} scheduler/mode pairs run)"]
     width = max(len(row["scheduler"]) for row in data["schedulers"])
     for row in sorted(data["schedulers"], key=lambda row: not row["runnable"]):
-        mode = "dynamic CP" if row["dynamic_cp"] else "static CP"
+        mode = _mode(row)
         answer = f"runs ({row['backend']} backend)" if row["runnable"] else f"no: {row['reason']}"
         if row["needs_model_support"]:
             answer = f"runs ({row['backend']} backend) {MODEL_SUPPORT_CALL}"

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from mcore_compat.demo import DEMO_CASE, format_run
+from mcore_compat.doctor import format_report
 from mcore_compat.testing import (
     Case,
     CaseRun,
@@ -97,6 +98,12 @@ def test_doctor_names_the_backend_that_packed(runs: dict[Case, CaseRun], balance
         if rows[case.scheduler, case.dynamic_cp]["backend"] != backend
     ]
     assert not wrong, f"(case, backend that packed, doctor's backend): {wrong}"
+    served = next(line for line in format_report(report).splitlines() if line.startswith("adapter: "))
+    named, _, on = served.partition(f"with the {report['backend']} backend")[2].strip(" ()").partition(" on the ")
+    for case, backend in ran:  # the adapter's line names, besides its own backend, each pair packed elsewhere
+        label = f"{case.scheduler} {'dynamic' if case.dynamic_cp else 'static'} CP"
+        assert (label in named.split(", ")) == (backend != report["backend"]), served
+        assert backend == report["backend"] or on == f"{backend} backend", served
 
 
 def _ran(runs: dict[Case, CaseRun], case: Case) -> CaseRun:
