@@ -3,11 +3,12 @@
 Before the scheduler's first collective, each data-loading rank pulls its ``num_microbatches`` items and
 checks them against :mod:`mcore_compat.contract`; then *every* rank of the job joins one small
 all-gather (:func:`~mcore_compat.portable.exchange.all_gather_rows`) of a fixed-width row (its verdict,
-``num_microbatches``, coordinates, a digest of its sequence lengths and the packing settings it read
-from its model config). The group is the default (world) group: the ranks that could be left waiting on
-a failed rank span the DP x CP groups of the loading ranks, the TP groups that wait for their TP rank 0,
-and the PP stages that wait for each other at the trainer's next send/recv, which together are every
-rank. From the gathered rows every rank computes the same verdict (:func:`decide`) and raises
+``num_microbatches``, coordinates, a digest of its sequence lengths, where it has context-parallel
+siblings a CRC-32 of its tokens, labels and loss mask, and the packing settings it read from its model
+config). The group is the default (world) group: the ranks that could be left waiting on a failed rank
+span the DP x CP groups of the loading ranks, the TP groups that wait for their TP rank 0, and the PP
+stages that wait for each other at the trainer's next send/recv, which together are every rank.
+From the gathered rows every rank computes the same verdict (:func:`decide`) and raises
 :class:`~mcore_compat.portable.errors.PortablePackingError` (a
 :class:`~mcore_compat.errors.BadSampleError`) for bad data,
 :class:`~mcore_compat.portable.errors.AgreedConfigError` (a
@@ -28,7 +29,9 @@ one raises with the others instead of alone.
 
 from __future__ import annotations
 
+import itertools
 import operator
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -54,12 +57,14 @@ from mcore_compat.portable.exchange import all_gather_rows
 from mcore_compat.runtime import settings_words
 
 __all__ = [
+    "CONTENT_BYTES",
     "ROW_WIDTH",
     "BinRounding",
     "SETUP_ERRORS",
     "Row",
     "agree",
     "all_agree",
+    "content",
     "decide",
     "digest",
     "fail_together",
@@ -67,7 +72,18 @@ __all__ = [
     "microbatch_count",
 ]
 
-_FIELDS = ("num_microbatches", "loads", "dp_rank", "cp_rank", "pp_rank", "tp_rank", "count", "digest", "tokens")
+_FIELDS = (
+    "num_microbatches",
+    "loads",
+    "dp_rank",
+    "cp_rank",
+    "pp_rank",
+    "tp_rank",
+    "count",
+    "digest",
+    "tokens",
+    "content",
+)
 ROW_WIDTH = VERDICT_WIDTH + len(_FIELDS) + len(SETTINGS_FIELDS)
 _DIGEST_MASK = (1 << 62) - 1
 
@@ -91,6 +107,8 @@ class Row:
     settings: Sequence[int] = ()
     tokens: int = 0
     """The padded tokens of this rank's sequences."""
+    content: int = 0
+    """:func:`content` of this rank's sequences (0: not read)."""
 
     def words(self) -> list[int]:
         return [*self.verdict, *(int(getattr(self, name)) for name in _FIELDS), *self.settings]
@@ -124,6 +142,42 @@ def digest(batch: LocalBatch | None) -> int:
     return hash(tuple((s.original, s.padded) for s in batch.samples)) & _DIGEST_MASK
 
 
+_CONTENT_KEYS = ("tokens", "labels", "loss_mask")
+_CONTENT_READ = 1 << 32
+"""Set in every :func:`content` that was read, so that 0 means "not read"."""
+CONTENT_BYTES = 1 << 20
+"""About how many bytes of a step's contents :func:`content` reads (whole samples; a step within it is read whole)."""
+
+
+def content(batch: LocalBatch | None, siblings: bool, budget: int = CONTENT_BYTES) -> int:
+    """A CRC-32 of the bytes of this rank's tokens, labels and loss mask, so that CP siblings fed the same lengths
+    but different contents are told apart; 0 where it is not read: no siblings, no samples, or a field that is not
+    a plain dense CPU tensor (reading it would copy it or wait for its device).
+
+    The cost is bounded: whole samples, from one the lengths pick (the same on siblings fed the same lengths), until
+    ``budget`` bytes are read. A step within the budget is compared whole; in a larger one a difference that spans
+    the step (another seed, per-rank masking) is still seen, a single differing sample only when it is read.
+    """
+    if batch is None or not siblings or not batch.samples:
+        return 0
+    samples = batch.samples
+    start = digest(batch) % len(samples)
+    crc, left = 0, budget
+    for sample in itertools.chain(samples[start:], samples[:start]):
+        for key in _CONTENT_KEYS:
+            value = sample.fields[key]
+            if type(value) is not torch.Tensor or not value.is_cpu or not value.is_contiguous():
+                return 0
+            try:
+                crc = zlib.crc32(value.numpy().data, crc)
+            except (RuntimeError, TypeError):  # no NumPy view (e.g. requires grad): not read, never raised alone
+                return 0
+            left -= value.nbytes
+        if left <= 0:
+            break
+    return crc | _CONTENT_READ
+
+
 def decide(rows: Sequence[Row]) -> list[int]:
     """The one verdict every rank reaches from the gathered rows (in global rank order).
 
@@ -132,8 +186,8 @@ def decide(rows: Sequence[Row]) -> list[int]:
     below 1 or not an int; ranks passing different ``num_microbatches``; ranks reading different packing
     settings from their model config; the data running out on every loading rank
     (:func:`~mcore_compat.portable.errors.ran_out`: ``StopIteration`` when it ended between steps); the first
-    loading rank's problem; CP siblings (same PP stage and DP rank) that were fed different lengths; pipeline stages
-    that load data for one DP rank and were fed different lengths.
+    loading rank's problem; CP siblings (same PP stage and DP rank) that were fed different lengths, or different
+    contents where both read theirs; pipeline stages that load data for one DP rank and were fed different lengths.
     """
     refusing = [(rank, row) for rank, row in enumerate(rows) if row.verdict[0] == Problem.CONFIG_REFUSED]
     if refusing:
@@ -159,6 +213,7 @@ def decide(rows: Sequence[Row]) -> list[int]:
     if problems:
         return problems[0]
     siblings: dict[tuple[int, int], tuple[int, Row]] = {}
+    read: dict[tuple[int, int], tuple[int, Row]] = {}
     stages: dict[int, tuple[int, Row]] = {}
     for rank, row in enumerate(rows):
         if not row.loads:
@@ -166,6 +221,10 @@ def decide(rows: Sequence[Row]) -> list[int]:
         first, lead = siblings.setdefault((row.pp_rank, row.dp_rank), (rank, row))
         if (lead.count, lead.digest) != (row.count, row.digest):
             return record(Problem.CP_MISMATCH, row.dp_rank, a=first, b=rank)
+        if row.content:
+            first, lead = read.setdefault((row.pp_rank, row.dp_rank), (rank, row))
+            if lead.content != row.content:
+                return record(Problem.CP_MISMATCH, row.dp_rank, a=first, b=rank, c=1)
         first, lead = stages.setdefault(row.dp_rank, (rank, row))
         if (lead.count, lead.digest) != (row.count, row.digest):
             return record(Problem.STAGE_MISMATCH, row.dp_rank, a=first, b=rank, c=row.pp_rank)
@@ -195,8 +254,12 @@ def all_agree(table: torch.Tensor) -> bool:
     key = loading[:, _column("dp_rank")]  # CP siblings and the loading pipeline stages of a DP rank
     order = numpy.argsort(key, kind="stable")
     key, lengths = key[order], loading[order][:, [_column("count"), _column("digest")]]
-    siblings_differ = (key[1:] == key[:-1]) & (lengths[1:] != lengths[:-1]).any(axis=1)
-    return not bool(siblings_differ.any())
+    if bool(((key[1:] == key[:-1]) & (lengths[1:] != lengths[:-1]).any(axis=1)).any()):
+        return False
+    read = loading[loading[:, _column("content")] != 0]  # contents: among the CP siblings that read theirs
+    lanes = read[numpy.lexsort((read[:, _column("pp_rank")], read[:, _column("dp_rank")]))]
+    lane, found = lanes[:, [_column("dp_rank"), _column("pp_rank")]], lanes[:, _column("content")]
+    return not bool(((lane[1:] == lane[:-1]).all(axis=1) & (found[1:] != found[:-1])).any())
 
 
 def global_totals(table: torch.Tensor) -> tuple[int, int]:
@@ -248,6 +311,12 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def _group_size(pg_collection: Any, name: str) -> int:
+    """The size of one group of the collection; 1 where a refusing rank's collection lacks it."""
+    group = getattr(pg_collection, name, None)
+    return 1 if group is None else int(group.size())
+
+
 def _group_rank(pg_collection: Any, name: str) -> int:
     """This rank's index in one group of the collection; -1 where a refusing rank's collection lacks it."""
     group = getattr(pg_collection, name, None)
@@ -286,6 +355,7 @@ def agree(
         digest(batch),
         settings_words(model_config),
         0 if batch is None else sum(s.padded for s in batch.samples),
+        content(batch, _group_size(pg_collection, "cp") > 1),
     )
     words = row.words()
     if _distributed():

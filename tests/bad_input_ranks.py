@@ -266,6 +266,8 @@ def mutate(name: str, item: Any, capacity: int, align: int) -> Any:
         "tokens_meta": lambda: _per_token(s, lambda v: v.to("meta"), ("tokens",)),
         "loss_mask_sparse": lambda: _per_token(s, lambda v: v.to_sparse(), ("loss_mask",)),
         "undecodable": lambda: _UndecodableSample(s),
+        "other_tokens": lambda: {**s, "tokens": s["tokens"] ^ 1},
+        "one_token_unmasked": lambda: {**s, "loss_mask": torch.cat((1 - s["loss_mask"][:1], s["loss_mask"][1:]))},
         "zero_positions": lambda: {**s, "position_ids": torch.zeros_like(s["position_ids"])},
         "shifted_positions": lambda: {**s, "position_ids": s["position_ids"] + 1},
         "both_forms": lambda: {**s, "cu_seqlens": torch.tensor([0, n], dtype=torch.int32)},

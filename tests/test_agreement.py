@@ -10,16 +10,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mcore_compat.agreement import (
+    CONTENT_BYTES,
     ROW_WIDTH,
     BinRounding,
     Row,
     _enough_sequences,
     agree,
     all_agree,
+    content,
     decide,
     fail_together,
     global_totals,
 )
+from mcore_compat.contract import LocalBatch, Sample
 from mcore_compat.errors import PackingConfigError, UnsupportedPinError
 from mcore_compat.portable.errors import OK, REFUSAL_KINDS, SETTINGS_FIELDS, Problem, record
 
@@ -70,7 +73,7 @@ def test_all_agree_only_where_decide_finds_nothing(rows: list[Row], expected: li
     assert all_agree(torch.tensor([row.words() for row in rows])) is (expected == list(OK))
 
 
-FAULTS = ("verdict", "count", "zero count", "settings", "lengths", "digest", "not loading")
+FAULTS = ("verdict", "count", "zero count", "settings", "lengths", "digest", "not loading", "content", "unread")
 
 
 @st.composite
@@ -98,6 +101,7 @@ def _tables(draw: st.DrawFn) -> list[Row]:
                 3 if "lengths" in hit else 2,
                 12 if "digest" in hit else 11,
                 settings,
+                content=0 if "unread" in hit else (1 << 32) + (9 if "content" in hit else 5),
             )
         )
     return rows
@@ -114,6 +118,17 @@ def test_cp_siblings_fed_different_lengths_are_not_all_agreed() -> None:
     siblings = [_row(0), Row(list(OK), 4, 1, 0, 1, 0, 0, 3, 11, [7] * len(SETTINGS_FIELDS)), _row(1)]
     assert decide(siblings)[0] == Problem.CP_MISMATCH
     assert not all_agree(torch.tensor([row.words() for row in siblings]))
+
+
+def test_cp_siblings_fed_different_contents_are_not_all_agreed() -> None:
+    """Same lengths, different tokens: compared where both siblings read theirs, whichever rank did not."""
+    lead, sibling = _row(0), Row(list(OK), 4, 1, 0, 1, 0, 0, 2, 11, [7] * len(SETTINGS_FIELDS))
+    unread, third = dataclasses.replace(sibling, cp_rank=2), dataclasses.replace(sibling, cp_rank=3)
+    rows = [dataclasses.replace(lead, content=(1 << 32) + 5), unread, dataclasses.replace(third, content=(1 << 32) + 6)]
+    assert decide(rows) == record(Problem.CP_MISMATCH, 0, a=0, b=2, c=1)
+    assert not all_agree(torch.tensor([row.words() for row in rows]))
+    rows[2] = dataclasses.replace(third, content=(1 << 32) + 5)
+    assert decide(rows) == list(OK)
 
 
 def test_pipeline_stages_fed_different_lengths_are_not_all_agreed() -> None:
@@ -180,3 +195,50 @@ def test_agree_with_a_refusal_raises_its_class_and_message() -> None:
         agree(None, 4, None, None, refused=error)
     assert str(raised.value) == str(error)
     assert raised.value.__cause__ is error
+
+
+def _batch(lengths: list[int], changed: int | None = None, key: str = "tokens") -> LocalBatch:
+    """Samples of these lengths, the same on every call except one value of ``key`` in sample ``changed``."""
+    samples = []
+    for index, n in enumerate(lengths):
+        fields = {
+            "tokens": torch.arange(n, dtype=torch.int64) * 7 + index,
+            "labels": torch.arange(n, dtype=torch.int64) + 1,
+            "loss_mask": torch.ones(n),
+            "position_ids": torch.arange(n, dtype=torch.int64),
+        }
+        if index == changed:
+            fields[key][-1] = 0 if key == "loss_mask" else -5
+        samples.append(Sample(fields, n, n))
+    return LocalBatch(samples, list(OK))
+
+
+@pytest.mark.parametrize("key", ["tokens", "labels", "loss_mask"])
+def test_content_tells_apart_siblings_fed_the_same_lengths(key: str) -> None:
+    lengths = [5, 9, 3, 12]
+    same = content(_batch(lengths), siblings=True)
+    assert same == content(_batch(lengths), siblings=True) != 0
+    assert all(content(_batch(lengths, i, key), siblings=True) != same for i in range(len(lengths)))
+    assert content(_batch(lengths), siblings=False) == 0
+
+
+def test_content_reads_whole_samples_up_to_its_budget_from_where_the_lengths_point() -> None:
+    """Past the budget a differing sample goes unseen; which samples are read depends on the lengths alone."""
+    lengths = [64] * 8
+    per_sample = 64 * (8 + 8 + 4)
+    read = {
+        i
+        for i in range(8)
+        if content(_batch(lengths, i), True, 2 * per_sample) != content(_batch(lengths), True, 2 * per_sample)
+    }
+    assert len(read) == 2 and all(content(_batch(lengths, i), True) != content(_batch(lengths), True) for i in range(8))
+    assert 8 * per_sample < CONTENT_BYTES
+
+
+def test_content_is_not_read_where_a_field_is_not_a_dense_cpu_tensor() -> None:
+    batch = _batch([6, 4])
+    batch.samples[1].fields["labels"] = torch.arange(8, dtype=torch.int64)[::2]
+    assert content(batch, siblings=True) == 0
+    batch = _batch([6, 4])
+    batch.samples[0].fields["loss_mask"] = torch.ones(6, requires_grad=True)
+    assert content(batch, siblings=True) == 0

@@ -83,6 +83,16 @@ CASES: list[tuple[BadInput, str, tuple[str, ...]]] = [
     (BadInput("tokens on the meta device", "tokens_meta"), BAD, ("'tokens'", "meta-device", "dense tensor")),
     (BadInput("sparse loss_mask", "loss_mask_sparse", index=0), BAD, ("'loss_mask'", "not dense", "sample 0")),
     (BadInput("sample that fails to decode", "undecodable"), BAD, ("sample 1", "raised RuntimeError", "dict of")),
+    (
+        BadInput("tokens differ on one CP sibling", "other_tokens", cp_rank=1, layouts=("1x2x2",)),
+        BAD,
+        ("context-parallel siblings disagree", "DP rank 1", "tokens, labels or loss mask differ", "same seed"),
+    ),
+    (
+        BadInput("one loss-mask entry differs on one CP sibling", "one_token_unmasked", cp_rank=0, layouts=("1x2x2",)),
+        BAD,
+        ("context-parallel siblings disagree", "tokens, labels or loss mask differ"),
+    ),
     (BadInput("zero position_ids", "zero_positions"), BAD, ("position_ids[1]=0", "torch.arange")),
     (BadInput("shifted position_ids", "shifted_positions", dp_rank=0), BAD, ("position_ids[0]=1", "DP rank 0")),
     (BadInput("both forms", "both_forms"), BAD, ("mixes sample forms", "exactly one")),

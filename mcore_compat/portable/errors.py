@@ -440,9 +440,11 @@ def describe(record: Sequence[int]) -> str:
             "one sample; use more samples per step"
         )
     if problem is Problem.CP_MISMATCH:
+        what = "samples of the same lengths whose tokens, labels or loss mask differ" if c else "different samples"
         return (
-            f"context-parallel siblings disagree: ranks {a} and {b} (same DP rank {rank}) received different "
-            "samples; feed CP siblings identical data (select samples by DP rank only)"
+            f"context-parallel siblings disagree: ranks {a} and {b} (same DP rank {rank}) received {what}; "
+            "feed CP siblings identical data (select samples by DP rank only, with the same seed for any "
+            "random masking or augmentation)"
         )
     if problem is Problem.STAGE_MISMATCH:
         return (
