@@ -3,11 +3,12 @@
 Before the scheduler's first collective, each data-loading rank pulls its ``num_microbatches`` items and
 checks them against :mod:`mcore_compat.contract`; then *every* rank of the job joins one small
 all-gather (:func:`~mcore_compat.portable.exchange.all_gather_rows`) of a fixed-width row (its verdict,
-``num_microbatches``, coordinates, a digest of its sequence lengths, where it has context-parallel
-siblings a CRC-32 of its tokens, labels and loss mask, and the packing settings it read from its model
-config). The group is the default (world) group: the ranks that could be left waiting on a failed rank
-span the DP x CP groups of the loading ranks, the TP groups that wait for their TP rank 0, and the PP
-stages that wait for each other at the trainer's next send/recv, which together are every rank.
+``num_microbatches``, coordinates, a digest of its sequence lengths, where other ranks load the same
+samples (CP siblings, pipeline stages) a CRC-32 of its tokens, labels and loss mask, and the packing
+settings it read from its model config). The group is the default (world) group: the ranks that could be
+left waiting on a failed rank span the DP x CP groups of the loading ranks, the TP groups that wait for
+their TP rank 0, and the PP stages that wait for each other at the trainer's next send/recv, which
+together are every rank.
 From the gathered rows every rank computes the same verdict (:func:`decide`) and raises
 :class:`~mcore_compat.portable.errors.PortablePackingError` (a
 :class:`~mcore_compat.errors.BadSampleError`) for bad data,
@@ -150,9 +151,10 @@ CONTENT_BYTES = 1 << 20
 
 
 def content(batch: LocalBatch | None, siblings: bool, budget: int = CONTENT_BYTES) -> int:
-    """A CRC-32 of the bytes of this rank's tokens, labels and loss mask, so that CP siblings fed the same lengths
-    but different contents are told apart; 0 where it is not read: no siblings, no samples, or a field that is not
-    a plain dense CPU tensor (reading it would copy it or wait for its device).
+    """A CRC-32 of the bytes of this rank's tokens, labels and loss mask, so that the ranks that load one DP rank's
+    samples (CP siblings, pipeline stages) fed the same lengths but different contents are told apart; 0 where it is
+    not read: no such ``siblings``, no samples, or a field that is not a plain dense CPU tensor (reading it would
+    copy it or wait for its device).
 
     The cost is bounded: whole samples, from one the lengths pick (the same on siblings fed the same lengths), until
     ``budget`` bytes are read. A step within the budget is compared whole; in a larger one a difference that spans
@@ -186,8 +188,9 @@ def decide(rows: Sequence[Row]) -> list[int]:
     below 1 or not an int; ranks passing different ``num_microbatches``; ranks reading different packing
     settings from their model config; the data running out on every loading rank
     (:func:`~mcore_compat.portable.errors.ran_out`: ``StopIteration`` when it ended between steps); the first
-    loading rank's problem; CP siblings (same PP stage and DP rank) that were fed different lengths, or different
-    contents where both read theirs; pipeline stages that load data for one DP rank and were fed different lengths.
+    loading rank's problem; CP siblings (same PP stage and DP rank) that were fed different lengths; pipeline stages
+    that load data for one DP rank and were fed different lengths; any of these fed different contents where both
+    read theirs (:func:`content`).
     """
     refusing = [(rank, row) for rank, row in enumerate(rows) if row.verdict[0] == Problem.CONFIG_REFUSED]
     if refusing:
@@ -213,7 +216,6 @@ def decide(rows: Sequence[Row]) -> list[int]:
     if problems:
         return problems[0]
     siblings: dict[tuple[int, int], tuple[int, Row]] = {}
-    read: dict[tuple[int, int], tuple[int, Row]] = {}
     stages: dict[int, tuple[int, Row]] = {}
     for rank, row in enumerate(rows):
         if not row.loads:
@@ -221,12 +223,17 @@ def decide(rows: Sequence[Row]) -> list[int]:
         first, lead = siblings.setdefault((row.pp_rank, row.dp_rank), (rank, row))
         if (lead.count, lead.digest) != (row.count, row.digest):
             return record(Problem.CP_MISMATCH, row.dp_rank, a=first, b=rank)
-        if row.content:
-            first, lead = read.setdefault((row.pp_rank, row.dp_rank), (rank, row))
-            if lead.content != row.content:
-                return record(Problem.CP_MISMATCH, row.dp_rank, a=first, b=rank, c=1)
         first, lead = stages.setdefault(row.dp_rank, (rank, row))
         if (lead.count, lead.digest) != (row.count, row.digest):
+            return record(Problem.STAGE_MISMATCH, row.dp_rank, a=first, b=rank, c=row.pp_rank)
+    read: dict[int, tuple[int, Row]] = {}
+    for rank, row in enumerate(rows):
+        if not row.loads or not row.content:
+            continue
+        first, lead = read.setdefault(row.dp_rank, (rank, row))
+        if lead.content != row.content and lead.pp_rank == row.pp_rank:
+            return record(Problem.CP_MISMATCH, row.dp_rank, a=first, b=rank, c=1)
+        if lead.content != row.content:
             return record(Problem.STAGE_MISMATCH, row.dp_rank, a=first, b=rank, c=row.pp_rank)
     return list(OK)
 
@@ -256,10 +263,10 @@ def all_agree(table: torch.Tensor) -> bool:
     key, lengths = key[order], loading[order][:, [_column("count"), _column("digest")]]
     if bool(((key[1:] == key[:-1]) & (lengths[1:] != lengths[:-1]).any(axis=1)).any()):
         return False
-    read = loading[loading[:, _column("content")] != 0]  # contents: among the CP siblings that read theirs
-    lanes = read[numpy.lexsort((read[:, _column("pp_rank")], read[:, _column("dp_rank")]))]
-    lane, found = lanes[:, [_column("dp_rank"), _column("pp_rank")]], lanes[:, _column("content")]
-    return not bool(((lane[1:] == lane[:-1]).all(axis=1) & (found[1:] != found[:-1])).any())
+    read = loading[loading[:, _column("content")] != 0]  # contents: among the ranks of a DP rank that read theirs
+    read = read[numpy.argsort(read[:, _column("dp_rank")], kind="stable")]
+    lane, found = read[:, _column("dp_rank")], read[:, _column("content")]
+    return not bool(((lane[1:] == lane[:-1]) & (found[1:] != found[:-1])).any())
 
 
 def global_totals(table: torch.Tensor) -> tuple[int, int]:
@@ -355,7 +362,7 @@ def agree(
         digest(batch),
         settings_words(model_config),
         0 if batch is None else sum(s.padded for s in batch.samples),
-        content(batch, _group_size(pg_collection, "cp") > 1),
+        content(batch, _group_size(pg_collection, "cp") > 1 or _group_size(pg_collection, "pp") > 1),
     )
     words = row.words()
     if _distributed():

@@ -142,6 +142,15 @@ def test_pipeline_stages_fed_different_lengths_are_not_all_agreed() -> None:
     assert all_agree(torch.tensor([row.words() for row in stages]))
 
 
+def test_pipeline_stages_fed_different_contents_are_not_all_agreed() -> None:
+    """The same lengths on the first and the last stage of DP rank 0, other tokens on the last."""
+    stages = [
+        Row(list(OK), 4, 1, 0, 0, pp, 0, 2, 11, [7] * len(SETTINGS_FIELDS), content=(1 << 32) + pp) for pp in (0, 2)
+    ]
+    assert decide(stages) == record(Problem.STAGE_MISMATCH, 0, a=0, b=1, c=2)
+    assert not all_agree(torch.tensor([row.words() for row in stages]))
+
+
 def _loading(dp: int, cp: int, count: int, tokens: int, loads: int = 1) -> Row:
     return Row(list(OK), 4, loads, dp, cp, 0, 0, count, 11, [7] * len(SETTINGS_FIELDS), tokens)
 

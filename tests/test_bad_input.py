@@ -303,6 +303,11 @@ CASES: list[tuple[BadInput, str, tuple[str, ...]]] = [
         ("pipeline stages", "DP rank 1", "same samples"),
     ),
     (
+        BadInput("the last pipeline stage fed other tokens of the same lengths", "other_tokens", pp_rank=-1),
+        STAGES,
+        ("pipeline stages", "DP rank 1", "same samples"),
+    ),
+    (
         BadInput(
             "one iterator, not a list per virtual stage",
             config=(("virtual_pipeline_model_parallel_size", 2), ("microbatch_group_size_per_vp_stage", 4)),
