@@ -171,10 +171,11 @@ def content(batch: LocalBatch | None, siblings: bool, budget: int = CONTENT_BYTE
             if type(value) is not torch.Tensor or not value.is_cpu or not value.is_contiguous():
                 return 0
             try:
-                crc = zlib.crc32(value.numpy().data, crc)
+                view = value.numpy()
             except (RuntimeError, TypeError):  # no NumPy view (e.g. requires grad): not read, never raised alone
                 return 0
-            left -= value.nbytes
+            crc = zlib.crc32(view.data, crc)
+            left -= view.nbytes
         if left <= 0:
             break
     return crc | _CONTENT_READ
