@@ -150,20 +150,21 @@ CONTENT_BYTES = 1 << 20
 """About how many bytes of a step's contents :func:`content` reads (whole samples; a step within it is read whole)."""
 
 
-def content(batch: LocalBatch | None, siblings: bool, budget: int = CONTENT_BYTES) -> int:
+def content(batch: LocalBatch | None, siblings: bool, lengths: int, budget: int = CONTENT_BYTES) -> int:
     """A CRC-32 of the bytes of this rank's tokens, labels and loss mask, so that the ranks that load one DP rank's
     samples (CP siblings, pipeline stages) fed the same lengths but different contents are told apart; 0 where it is
     not read: no such ``siblings``, no samples, or a field that is not a plain dense CPU tensor (reading it would
     copy it or wait for its device).
 
-    The cost is bounded: whole samples, from one the lengths pick (the same on siblings fed the same lengths), until
-    ``budget`` bytes are read. A step within the budget is compared whole; in a larger one a difference that spans
-    the step (another seed, per-rank masking) is still seen, a single differing sample only when it is read.
+    The cost is bounded: whole samples, from the one ``lengths`` (the batch's :func:`digest`, the same on siblings
+    fed the same lengths) picks, until ``budget`` bytes are read. A step within the budget is compared whole; in a
+    larger one a difference that spans the step (another seed, per-rank masking) is still seen, a single differing
+    sample only when it is read.
     """
     if batch is None or not siblings or not batch.samples:
         return 0
     samples = batch.samples
-    start = digest(batch) % len(samples)
+    start = lengths % len(samples)
     crc, left = 0, budget
     for sample in itertools.chain(samples[start:], samples[:start]):
         for key in _CONTENT_KEYS:
@@ -351,6 +352,7 @@ def agree(
     if refused is not None:
         kind = next(i for i, cls in enumerate(REFUSAL_KINDS) if isinstance(refused, cls))
         verdict = record(Problem.CONFIG_REFUSED, dp_rank, kind, b=len(str(refused).encode()))
+    lengths = digest(batch)
     row = Row(
         verdict,
         microbatch_count(num_microbatches),
@@ -360,10 +362,10 @@ def agree(
         _group_rank(pg_collection, "pp"),
         _group_rank(pg_collection, "tp"),
         0 if batch is None else len(batch.samples),
-        digest(batch),
+        lengths,
         settings_words(model_config),
         0 if batch is None else sum(s.padded for s in batch.samples),
-        content(batch, _group_size(pg_collection, "cp") > 1 or _group_size(pg_collection, "pp") > 1),
+        content(batch, _group_size(pg_collection, "cp") > 1 or _group_size(pg_collection, "pp") > 1, lengths),
     )
     words = row.words()
     if _distributed():

@@ -19,6 +19,7 @@ from mcore_compat.agreement import (
     all_agree,
     content,
     decide,
+    digest,
     fail_together,
     global_totals,
 )
@@ -121,7 +122,7 @@ def test_cp_siblings_fed_different_lengths_are_not_all_agreed() -> None:
 
 
 def test_cp_siblings_fed_different_contents_are_not_all_agreed() -> None:
-    """Same lengths, different tokens: compared where both siblings read theirs, whichever rank did not."""
+    """Same lengths, different tokens: compared among the siblings that read theirs (the middle one did not)."""
     lead, sibling = _row(0), Row(list(OK), 4, 1, 0, 1, 0, 0, 2, 11, [7] * len(SETTINGS_FIELDS))
     unread, third = dataclasses.replace(sibling, cp_rank=2), dataclasses.replace(sibling, cp_rank=3)
     rows = [dataclasses.replace(lead, content=(1 << 32) + 5), unread, dataclasses.replace(third, content=(1 << 32) + 6)]
@@ -206,6 +207,10 @@ def test_agree_with_a_refusal_raises_its_class_and_message() -> None:
     assert raised.value.__cause__ is error
 
 
+def _content(batch: LocalBatch, siblings: bool = True, budget: int = CONTENT_BYTES) -> int:
+    return content(batch, siblings, digest(batch), budget)
+
+
 def _batch(lengths: list[int], changed: int | None = None, key: str = "tokens") -> LocalBatch:
     """Samples of these lengths, the same on every call except one value of ``key`` in sample ``changed``."""
     samples = []
@@ -225,10 +230,10 @@ def _batch(lengths: list[int], changed: int | None = None, key: str = "tokens") 
 @pytest.mark.parametrize("key", ["tokens", "labels", "loss_mask"])
 def test_content_tells_apart_siblings_fed_the_same_lengths(key: str) -> None:
     lengths = [5, 9, 3, 12]
-    same = content(_batch(lengths), siblings=True)
-    assert same == content(_batch(lengths), siblings=True) != 0
-    assert all(content(_batch(lengths, i, key), siblings=True) != same for i in range(len(lengths)))
-    assert content(_batch(lengths), siblings=False) == 0
+    same = _content(_batch(lengths))
+    assert same == _content(_batch(lengths)) != 0
+    assert all(_content(_batch(lengths, i, key)) != same for i in range(len(lengths)))
+    assert _content(_batch(lengths), siblings=False) == 0
 
 
 def test_content_reads_whole_samples_up_to_its_budget_from_where_the_lengths_point() -> None:
@@ -238,16 +243,16 @@ def test_content_reads_whole_samples_up_to_its_budget_from_where_the_lengths_poi
     read = {
         i
         for i in range(8)
-        if content(_batch(lengths, i), True, 2 * per_sample) != content(_batch(lengths), True, 2 * per_sample)
+        if _content(_batch(lengths, i), budget=2 * per_sample) != _content(_batch(lengths), budget=2 * per_sample)
     }
-    assert len(read) == 2 and all(content(_batch(lengths, i), True) != content(_batch(lengths), True) for i in range(8))
+    assert len(read) == 2 and all(_content(_batch(lengths, i)) != _content(_batch(lengths)) for i in range(8))
     assert 8 * per_sample < CONTENT_BYTES
 
 
 def test_content_is_not_read_where_a_field_is_not_a_dense_cpu_tensor() -> None:
     batch = _batch([6, 4])
     batch.samples[1].fields["labels"] = torch.arange(8, dtype=torch.int64)[::2]
-    assert content(batch, siblings=True) == 0
+    assert _content(batch) == 0
     batch = _batch([6, 4])
     batch.samples[0].fields["loss_mask"] = torch.ones(6, requires_grad=True)
-    assert content(batch, siblings=True) == 0
+    assert _content(batch) == 0
