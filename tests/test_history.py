@@ -28,11 +28,17 @@ from typing import Any
 
 import pytest
 
-from mcore_compat import detect
+from mcore_compat import adapter, detect
 from mcore_compat.generations import GENERATIONS
 from mcore_compat.testing import Case, Layout, check_steps, launch
 from mcore_compat.testing.patches import cpu_patches
-from mcore_compat.testing.runner import _init_parallel_state, _run_step, model_config, mpu_pg_collection
+from mcore_compat.testing.runner import (
+    _init_parallel_state,
+    _run_step,
+    fetch_returns_padding_mask,
+    model_config,
+    mpu_pg_collection,
+)
 from tests.real_outcomes import RUNS
 from tests.real_trees import FIRST_COMMITS, HOW_TO_GET_ONE, REPO, TIPS, scheduler_commits, tree
 
@@ -77,7 +83,12 @@ def _on_rank(rank: int, world_size: int, requests: list[tuple[str, bool]]) -> li
     results = []
     for scheduler, dynamic in requests:
         case = Case(LAYOUT, scheduler, dynamic_cp=dynamic, steps=2)
-        outcome: dict[str, Any] = {"probe": packing.probe_global_batch_packing_support(scheduler, dynamic_cp=dynamic)}
+        outcome: dict[str, Any] = {
+            "probe": packing.probe_global_batch_packing_support(scheduler, dynamic_cp=dynamic),
+            "padding_mask": fetch_returns_padding_mask(
+                adapter().backend_for(scheduler, dynamic_cp=dynamic), detect().fetch_arity
+            ),
+        }
         with cpu_patches(context_parallel=True, dynamic_cp=dynamic) as _:
             try:
                 _init_parallel_state(case)
@@ -119,7 +130,7 @@ def test_probe_matches_a_real_step(generation: str, commit: str) -> None:
                     steps,
                     routes=GENERATIONS[generation].native_scheduler
                     and "cp_layout_routes" in GENERATIONS[generation].requires,
-                    padding_mask=GENERATIONS[generation].fetch_arity != 6,
+                    padding_mask=outcomes[0]["padding_mask"],
                 )
             ran = not errors
             assert ran == RUNS[generation][(scheduler, dynamic)], (

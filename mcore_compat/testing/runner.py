@@ -142,6 +142,12 @@ def mpu_pg_collection() -> Any:
     return collection
 
 
+def fetch_returns_padding_mask(backend: str, fetch_arity: int | None) -> bool:
+    """Whether the fetch returns a padding mask: the portable backend's always, the pin's own unless it returns
+    six values."""
+    return backend == "portable" or fetch_arity != 6
+
+
 def _pin(native_wraps: list[int] | None = None) -> dict[str, Any]:
     """The detected generation, the backend (with ``native_wraps``: the one that ran, else the adapter's),
     whether the pin prebuilds CP routes and whether the fetch returns a padding mask (not the pin's own six-value
@@ -150,12 +156,11 @@ def _pin(native_wraps: list[int] | None = None) -> dict[str, Any]:
 
     caps = detect()
     backend = adapter().backend if native_wraps is None else "native" if native_wraps[0] else "portable"
-    padding_mask = backend == "portable" or caps.fetch_arity != 6
     return {
         "generation": caps.generation,
         "backend": backend,
         "routes": caps.has_route_prebuilder,
-        "padding_mask": padding_mask,
+        "padding_mask": fetch_returns_padding_mask(backend, caps.fetch_arity),
     }
 
 
