@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import zlib
+from collections.abc import Mapping
 from typing import Any
 
 from mcore_compat.contract import Limits, alignment_multiple
@@ -24,6 +25,7 @@ __all__ = [
     "PG_GROUPS",
     "SWITCHES",
     "THD_TAIL_POLICIES",
+    "check_config_object",
     "check_dynamic_cp_microbatch_group",
     "check_min_dynamic_cp_size",
     "check_settings",
@@ -245,12 +247,28 @@ def standalone_mtp_stages(model_config: Any) -> frozenset[tuple[int, int]]:
     )
 
 
+def check_config_object(model_config: Any) -> None:
+    """The settings are attributes of one config object: not None, not a mapping (e.g. a dict read from YAML)."""
+    if model_config is None:
+        raise PackingConfigError(
+            "model_config=None: a packing step reads its settings as attributes of the model's config; pass the "
+            "TransformerConfig the model was built with"
+        )
+    if isinstance(model_config, Mapping):
+        raise PackingConfigError(
+            f"model_config is a mapping ({type(model_config).__name__}): a packing step reads its settings as "
+            "attributes (model_config.sequence_packing_scheduler, ...), not keys; pass the TransformerConfig the model "
+            "was built with (or types.SimpleNamespace(**settings))"
+        )
+
+
 def check_settings(model_config: Any, pool: int, dynamic_cp: bool) -> None:
     """Every setting a step reads, before the pin is asked whether it can run them.
 
     A config mistake is reported as one (naming the field and the fix) even where the pin would also
     refuse: fix the config, then the pin. ``pool`` is the DP x CP size.
     """
+    check_config_object(model_config)
     check_switches(model_config)
     scheduler_name(model_config)
     check_virtual_stages(model_config)

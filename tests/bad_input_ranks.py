@@ -62,6 +62,9 @@ class BadInput:
     ``"list"`` (with VPP the list of every stage's iterators, else ``[iterator]``)."""
     elsewhere: str | None = None
     """A :func:`mutate` of every item ``mutation`` leaves alone, on every rank (e.g. all samples at capacity)."""
+    config_as: str | None = None
+    """What ``wrap`` gets in place of the model config on the ranks ``dp_rank`` names: ``"none"`` or ``"dict"``
+    (its fields as a dict, as read from a YAML file)."""
     unchecked: bool = False
     """Run the pin's own ``wrap`` and fetch through the adapter, without the facade's checks and agreement, on the
     good samples as every generation reads them (:func:`_reference_sources`): the microbatches good input must
@@ -511,6 +514,9 @@ def _run(bad: BadInput, case: Case, pg: Any, rank: int, virtual: int | None = No
         num_microbatches = bad.num_microbatches
     source = _stage_sources(case, bad, pg, virtual)
     wrap_pg = _wrap_pg(bad, pg)
+    wrap_config: Any = config
+    if bad.config_as is not None and (bad.dp_rank is None or bad.dp_rank == pg.dp.rank()):
+        wrap_config = None if bad.config_as == "none" else dict(vars(config))
     wrap, fetch = packing.wrap_data_iterator_for_global_batch_packing, packing.get_batch_for_global_batch_packing
     if bad.unchecked:  # an adapter of its own: it never wraps, so no count of fetches from another case applies
         own = select_adapter(detect())
@@ -518,7 +524,7 @@ def _run(bad: BadInput, case: Case, pg: Any, rank: int, virtual: int | None = No
     start = time.perf_counter()
     outcome = Outcome(bad.name, rank, "ok", "")
     try:
-        packed, count, _, _ = wrap(source, config, num_microbatches, pg_collection=wrap_pg)
+        packed, count, _, _ = wrap(source, wrap_config, num_microbatches, pg_collection=wrap_pg)
         outcome.microbatches = count = int(count)
         if bad.fetch_from == "list":  # every fetch gets a list: all stages' iterators (VPP) or [the iterator]
             packed = [packed] * virtual if virtual is not None else [packed]

@@ -258,6 +258,21 @@ CASES: list[tuple[BadInput, str, tuple[str, ...]]] = [
         ("cp_partition_mode='zig-zag'", "'zigzag'"),
     ),
     (
+        BadInput("model config None on one rank", config_as="none"),
+        CONFIG,
+        ("model_config=None", "TransformerConfig", "DP rank 1", "only"),
+    ),
+    (
+        BadInput("model config a dict", config_as="dict", dp_rank=None),
+        CONFIG,
+        ("model_config is a mapping (dict)", "attributes", "TransformerConfig"),
+    ),
+    (
+        BadInput("model config a dict on one rank", config_as="dict", dp_rank=0),
+        CONFIG,
+        ("model_config is a mapping (dict)", "DP rank 0", "only"),
+    ),
+    (
         BadInput("pg_collection None on one rank", pg_drop=("*",)),
         CONFIG,
         ("pg_collection=None", "use_mpu_process_groups", "on global rank", "only"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import subprocess
@@ -14,6 +15,7 @@ import pytest
 
 from mcore_compat.errors import PackingConfigError
 from mcore_compat.runtime import (
+    check_config_object,
     check_switches,
     check_thd_settings,
     check_virtual_stages,
@@ -142,6 +144,27 @@ def test_process_groups(pg_collection: Any, fragment: str | None) -> None:
         assert message is None
     else:
         assert message is not None and fragment in message and "use_mpu_process_groups" in message, message
+
+
+CONFIG_OBJECT_CASES: list[tuple[Any, str | None]] = [
+    (SimpleNamespace(sequence_packing_scheduler="dp_balanced"), None),
+    (SimpleNamespace(), None),
+    (None, "model_config=None: a packing step reads its settings as attributes"),
+    (
+        {"sequence_packing_scheduler": "dp_balanced"},
+        "model_config is a mapping (dict): a packing step reads its settings",
+    ),
+    (collections.OrderedDict(), "model_config is a mapping (OrderedDict)"),
+]
+
+
+@pytest.mark.parametrize(("config", "fragment"), CONFIG_OBJECT_CASES, ids=["object", "empty", "None", "dict", "od"])
+def test_the_config_is_an_object_with_attributes(config: Any, fragment: str | None) -> None:
+    message = _message(check_config_object, config)
+    if fragment is None:
+        assert message is None
+    else:
+        assert message is not None and fragment in message and "TransformerConfig" in message, message
 
 
 SWITCH_CASES: list[tuple[dict[str, Any], str | None]] = [
