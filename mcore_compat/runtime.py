@@ -248,13 +248,16 @@ def standalone_mtp_stages(model_config: Any) -> frozenset[tuple[int, int]]:
 
 
 def check_config_object(model_config: Any) -> None:
-    """The settings are attributes of one config object: not None, not a mapping (e.g. a dict read from YAML)."""
+    """The settings are attributes of one config object: not None, not a plain mapping (a dict read from YAML).
+
+    A mapping that also answers attributes (OmegaConf's ``DictConfig``, an attribute dict) is a config object.
+    """
     if model_config is None:
         raise PackingConfigError(
             "model_config=None: a packing step reads its settings as attributes of the model's config; pass the "
             "TransformerConfig the model was built with"
         )
-    if isinstance(model_config, Mapping):
+    if isinstance(model_config, Mapping) and not hasattr(model_config, "sequence_packing_scheduler"):
         raise PackingConfigError(
             f"model_config is a mapping ({type(model_config).__name__}): a packing step reads its settings as "
             "attributes (model_config.sequence_packing_scheduler, ...), not keys; pass the TransformerConfig the model "

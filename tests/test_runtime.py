@@ -146,7 +146,18 @@ def test_process_groups(pg_collection: Any, fragment: str | None) -> None:
         assert message is not None and fragment in message and "use_mpu_process_groups" in message, message
 
 
+class _AttributeDict(dict):
+    """A mapping that also answers its keys as attributes (as OmegaConf's ``DictConfig`` does)."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
 CONFIG_OBJECT_CASES: list[tuple[Any, str | None]] = [
+    (_AttributeDict(sequence_packing_scheduler="dp_balanced"), None),
     (SimpleNamespace(sequence_packing_scheduler="dp_balanced"), None),
     (SimpleNamespace(), None),
     (None, "model_config=None: a packing step reads its settings as attributes"),
@@ -158,7 +169,9 @@ CONFIG_OBJECT_CASES: list[tuple[Any, str | None]] = [
 ]
 
 
-@pytest.mark.parametrize(("config", "fragment"), CONFIG_OBJECT_CASES, ids=["object", "empty", "None", "dict", "od"])
+@pytest.mark.parametrize(
+    ("config", "fragment"), CONFIG_OBJECT_CASES, ids=["attribute dict", "object", "empty", "None", "dict", "od"]
+)
 def test_the_config_is_an_object_with_attributes(config: Any, fragment: str | None) -> None:
     message = _message(check_config_object, config)
     if fragment is None:
