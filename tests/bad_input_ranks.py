@@ -311,7 +311,7 @@ def mutate(name: str, item: Any, capacity: int, align: int) -> Any:
         "uint32_padded": lambda: _lengths(s, padded=torch.tensor([n], dtype=torch.uint32)),
         "uint16_original": lambda: _lengths(s, original=s["original_seq_len"].to(torch.uint16)),
         "int8_lengths": lambda: _lengths(s, s["original_seq_len"].to(torch.int8), s["padded_seq_len"].to(torch.int8)),
-        "uint64_cu_seqlens": lambda: {**prepack([s]), "cu_seqlens": prepack([s])["cu_seqlens"].to(torch.uint64)},
+        "uint64_cu_seqlens": lambda: {**(p := prepack([s])), "cu_seqlens": p["cu_seqlens"].to(torch.uint64)},
         "huge_padded": lambda: _lengths(s, padded=torch.tensor([1 << 40], dtype=torch.int64)),
         "numpy_tokens": lambda: {**s, "tokens": s["tokens"].numpy()},
         "shared_positions": lambda: {**s, "position_ids": _COUNTING[:n]},
