@@ -23,6 +23,7 @@ from mcore_compat.portable.errors import NOT_AN_INT, SETTINGS_FIELDS
 __all__ = [
     "CP_PARTITION_MODES",
     "PG_GROUPS",
+    "STEP_FIELDS",
     "SWITCHES",
     "THD_TAIL_POLICIES",
     "check_config_object",
@@ -247,16 +248,44 @@ def standalone_mtp_stages(model_config: Any) -> frozenset[tuple[int, int]]:
     )
 
 
+STEP_FIELDS: tuple[str, ...] = (
+    *SETTINGS_FIELDS,
+    "hybrid_context_parallel",
+    "pipeline_model_parallel_layout",
+    "mtp_num_layers",
+    "calculate_per_token_loss",
+    "micro_batch_size",
+    "cuda_graph_impl",
+    "enable_cuda_graph",
+    "multi_latent_attention",
+    "num_moe_experts",
+    "is_hybrid_model",
+    "experimental_attention_variant",
+)
+"""Every model-config field a packing step reads (its wrap and fetches; the facade's and the pin's scheduler's;
+under dynamic CP also the fields that name the model's parts)."""
+
+
 def check_config_object(model_config: Any) -> None:
-    """The settings are attributes of one config object: not None, not a plain mapping (a dict read from YAML).
+    """The settings are attributes of one config object: not None, not a plain mapping (a dict read from YAML),
+    and each field of :data:`STEP_FIELDS` reads without raising (as OmegaConf raises for a value left ``???``).
 
     A mapping that also answers attributes (OmegaConf's ``DictConfig``, an attribute dict) is a config object.
+    Called before anything else reads the config, so a field that raises is refused on every rank together.
     """
     if model_config is None:
         raise PackingConfigError(
             "model_config=None: a packing step reads its settings as attributes of the model's config; pass the "
             "TransformerConfig the model was built with"
         )
+    for name in STEP_FIELDS:
+        try:
+            getattr(model_config, name, None)
+        except Exception as exc:  # noqa: BLE001 - any error of the config's own attribute access, named here
+            raise PackingConfigError(
+                f"model_config.{name} cannot be read ({type(exc).__name__}: {exc}): a packing step reads it on "
+                f"every rank; give model_config.{name} a value (None where unused)"
+            ) from exc
     if isinstance(model_config, Mapping) and not hasattr(model_config, "sequence_packing_scheduler"):
         raise PackingConfigError(
             f"model_config is a mapping ({type(model_config).__name__}): a packing step reads its settings as "
@@ -269,9 +298,8 @@ def check_settings(model_config: Any, pool: int, dynamic_cp: bool) -> None:
     """Every setting a step reads, before the pin is asked whether it can run them.
 
     A config mistake is reported as one (naming the field and the fix) even where the pin would also
-    refuse: fix the config, then the pin. ``pool`` is the DP x CP size.
+    refuse: fix the config, then the pin. ``pool`` is the DP x CP size. Call :func:`check_config_object` first.
     """
-    check_config_object(model_config)
     check_switches(model_config)
     scheduler_name(model_config)
     check_virtual_stages(model_config)
@@ -351,4 +379,13 @@ def settings_words(model_config: Any) -> list[int]:
     Ranks that read a step with different settings would schedule different bins and then wait in
     different collectives; comparing them in the agreement makes every rank raise instead.
     """
-    return [_word(getattr(model_config, name, None)) for name in SETTINGS_FIELDS]
+    return [_word(_read(model_config, name)) for name in SETTINGS_FIELDS]
+
+
+def _read(model_config: Any, name: str) -> Any:
+    """``model_config.name``: None when absent, an object (word -1) where reading it raises (a rank that refused
+    the config joins the agreement with it: see :func:`check_config_object`)."""
+    try:
+        return getattr(model_config, name, None)
+    except Exception:  # noqa: BLE001 - any error of the config's own attribute access
+        return object()

@@ -174,6 +174,7 @@ def wrap_data_iterator_for_global_batch_packing(
     chosen = adapter()
     try:
         runtime.require_groups(pg_collection)
+        runtime.check_config_object(model_config)
         runtime.check_settings(model_config, pg_collection.dp_cp.size(), chosen.dynamic_cp_enabled(model_config))
         chosen.require_runnable(model_config)
     except SETUP_ERRORS as error:

@@ -65,6 +65,9 @@ class BadInput:
     config_as: str | None = None
     """What ``wrap`` gets in place of the model config on the ranks ``dp_rank`` names: ``"none"`` or ``"dict"``
     (its fields as a dict, as read from a YAML file)."""
+    unreadable: str | None = None
+    """A model-config field whose reading raises (as OmegaConf's ``MissingMandatoryValue``) on the ranks ``dp_rank``
+    names."""
     unchecked: bool = False
     """Run the pin's own ``wrap`` and fetch through the adapter, without the facade's checks and agreement, on the
     good samples as every generation reads them (:func:`_reference_sources`): the microbatches good input must
@@ -450,18 +453,46 @@ class Outcome:
     first)."""
     fetched: list[list[list[float]]] = field(default_factory=list)
     """Per fetched microbatch, :func:`_microbatch_record`."""
+    config_reads: list[str] = field(default_factory=list)
+    """The model-config fields read on this rank in the case's wrap and fetches."""
 
 
-def _config(case: Case, bad: BadInput, dp_rank: int) -> SimpleNamespace:
+class MissingMandatoryValue(Exception):
+    """What OmegaConf raises on reading a mandatory value left ``???`` (not an ``AttributeError``)."""
+
+
+class ObservedConfig(SimpleNamespace):
+    """A model config that records the names of the public attributes read from it; reading ``unreadable`` raises
+    :class:`MissingMandatoryValue`."""
+
+    def __init__(self, fields: dict[str, Any], unreadable: str | None = None) -> None:
+        super().__init__(**fields)
+        self._reads: set[str] = set()
+        self._unreadable = unreadable
+
+    def __getattribute__(self, name: str) -> Any:
+        if not name.startswith("_"):
+            object.__getattribute__(self, "_reads").add(name)
+            if name == object.__getattribute__(self, "_unreadable"):
+                raise MissingMandatoryValue(f"Missing mandatory value: {name}")
+        return object.__getattribute__(self, name)
+
+    def fields(self) -> dict[str, Any]:
+        """The config's fields, as a plain dict."""
+        return {k: v for k, v in vars(self).items() if not k.startswith("_")}
+
+
+def _config(case: Case, bad: BadInput, dp_rank: int) -> ObservedConfig:
     config = model_config(case)
     for key, value in bad.config:
         setattr(config, key, value)
-    if bad.dp_rank is None or bad.dp_rank == dp_rank:
+    named = bad.dp_rank is None or bad.dp_rank == dp_rank
+    if named:
         for key, value in bad.rank_config:
             setattr(config, key, value)
     for key in bad.drop:
         delattr(config, key)
-    return config
+    return ObservedConfig(vars(config), bad.unreadable if named else None)
 
 
 def _wrap_pg(bad: BadInput, pg: Any) -> Any:
@@ -516,7 +547,7 @@ def _run(bad: BadInput, case: Case, pg: Any, rank: int, virtual: int | None = No
     wrap_pg = _wrap_pg(bad, pg)
     wrap_config: Any = config
     if bad.config_as is not None and (bad.dp_rank is None or bad.dp_rank == pg.dp.rank()):
-        wrap_config = None if bad.config_as == "none" else dict(vars(config))
+        wrap_config = None if bad.config_as == "none" else config.fields()
     wrap, fetch = packing.wrap_data_iterator_for_global_batch_packing, packing.get_batch_for_global_batch_packing
     if bad.unchecked:  # an adapter of its own: it never wraps, so no count of fetches from another case applies
         own = select_adapter(detect())
@@ -545,6 +576,7 @@ def _run(bad: BadInput, case: Case, pg: Any, rank: int, virtual: int | None = No
             except BaseException as exc:  # noqa: BLE001
                 outcome.stage_fetches.append((type(exc).__name__, str(exc)))
         outcome.fetch = outcome.stage_fetches[0]
+    outcome.config_reads = sorted(config._reads)
     return outcome
 
 

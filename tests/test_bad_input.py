@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from mcore_compat.generations import GENERATIONS
+from mcore_compat.runtime import STEP_FIELDS
 from mcore_compat.testing import Layout, launch, locate_mcore
 from tests.bad_input_ranks import BadInput, bad_inputs_on_rank, random_settings
 
@@ -271,6 +272,21 @@ CASES: list[tuple[BadInput, str, tuple[str, ...]]] = [
         BadInput("model config a dict on one rank", config_as="dict", dp_rank=0),
         CONFIG,
         ("model_config is a mapping (dict)", "DP rank 0", "only"),
+    ),
+    (
+        BadInput("a config field unreadable on one rank", unreadable="dynamic_context_parallel"),
+        CONFIG,
+        ("model_config.dynamic_context_parallel cannot be read", "MissingMandatoryValue", "DP rank 1", "only"),
+    ),
+    (
+        BadInput("a config field unreadable on every rank", unreadable="max_seqlen_per_dp_cp_rank", dp_rank=None),
+        CONFIG,
+        ("model_config.max_seqlen_per_dp_cp_rank cannot be read", "give model_config.max_seqlen_per_dp_cp_rank a"),
+    ),
+    (
+        BadInput("a layout field unreadable on one rank", unreadable="pipeline_model_parallel_layout", dp_rank=0),
+        CONFIG,
+        ("model_config.pipeline_model_parallel_layout cannot be read", "DP rank 0", "only"),
     ),
     (
         BadInput("pg_collection None on one rank", pg_drop=("*",)),
@@ -578,6 +594,15 @@ def test_a_fetch_after_the_last_microbatch_raises_stop_iteration_on_every_rank(o
 def test_good_input_after_bad_input_runs(outcomes: dict):
     ranks = outcomes["runs"]["good input"]
     assert {o.microbatches for o in ranks} != {0}
+
+
+def test_a_step_reads_only_config_fields_checked_before_the_agreement(outcomes: dict):
+    """Every model-config field a step that packs reads (wrap and fetches: the facade and the pin's own scheduler)
+    is one ``check_config_object`` reads first, so a field whose reading raises is refused on every rank together
+    instead of inside a collective."""
+    reads = {name for ranks in outcomes["runs"].values() for o in ranks if o.kind == "ok" for name in o.config_reads}
+    assert "max_seqlen_per_dp_cp_rank" in reads
+    assert reads <= set(STEP_FIELDS), sorted(reads - set(STEP_FIELDS))
 
 
 GOOD = "good input"

@@ -14,15 +14,18 @@ from typing import Any
 import pytest
 
 from mcore_compat.errors import PackingConfigError
+from mcore_compat.portable.errors import SETTINGS_FIELDS
 from mcore_compat.runtime import (
     check_config_object,
     check_switches,
     check_thd_settings,
     check_virtual_stages,
     require_groups,
+    settings_words,
     standalone_mtp_stages,
     virtual_stages,
 )
+from tests.bad_input_ranks import ObservedConfig
 
 # (fields on the config, a fragment of the error, or None when the settings pass)
 THD_CASES: list[tuple[dict[str, Any], str | None]] = [
@@ -178,6 +181,21 @@ CONFIG_OBJECT_CASES: list[tuple[Any, str | None]] = [
 )
 def test_the_config_is_an_object_with_attributes(config: Any, fragment: str | None) -> None:
     _assert_answer(_message(check_config_object, config), fragment, "TransformerConfig")
+
+
+@pytest.mark.parametrize("field", ["dynamic_context_parallel", "max_seqlen_per_dp_cp_rank", "num_moe_experts"])
+def test_a_config_field_that_raises_on_reading_is_named(field: str) -> None:
+    config = ObservedConfig({"sequence_packing_scheduler": "dp_balanced"}, unreadable=field)
+    message = _message(check_config_object, config)
+    _assert_answer(message, f"model_config.{field} cannot be read (MissingMandatoryValue", f"give model_config.{field}")
+
+
+def test_a_refusing_rank_reads_its_settings_for_the_agreement_without_raising() -> None:
+    """The rank whose config raised joins the agreement with its refusal; its settings words are built still."""
+    config = ObservedConfig({"max_seqlen_per_dp_cp_rank": 64}, unreadable="sequence_packing_scheduler")
+    words = settings_words(config)
+    assert words[SETTINGS_FIELDS.index("sequence_packing_scheduler")] == -1
+    assert words[SETTINGS_FIELDS.index("max_seqlen_per_dp_cp_rank")] == 64
 
 
 SWITCH_CASES: list[tuple[dict[str, Any], str | None]] = [

@@ -238,6 +238,7 @@ class PortableAdapter(PackingAdapter):
         """Check this rank's settings; return them, the limits its samples must meet and, under dynamic CP,
         the minimum group size (None for static CP)."""
         runtime.require_groups(pg)
+        runtime.check_config_object(model_config)
         dynamic_cp = self.dynamic_cp_enabled(model_config)
         runtime.check_settings(model_config, pg.dp_cp.size(), dynamic_cp)
         self.require_runnable(model_config)
