@@ -29,6 +29,7 @@ __all__ = [
     "check_config_object",
     "check_dynamic_cp_microbatch_group",
     "check_min_dynamic_cp_size",
+    "check_readable",
     "check_settings",
     "check_switches",
     "check_thd_settings",
@@ -266,9 +267,22 @@ STEP_FIELDS: tuple[str, ...] = (
 under dynamic CP also the fields that name the model's parts)."""
 
 
+def check_readable(model_config: Any, owner: str = "model_config") -> None:
+    """Each field of :data:`STEP_FIELDS` reads without raising (absent is fine), or raise naming the first that
+    raises (as OmegaConf raises ``MissingMandatoryValue`` for a value left ``???``)."""
+    for name in STEP_FIELDS:
+        try:
+            getattr(model_config, name, None)
+        except Exception as exc:  # noqa: BLE001 - any error of the config's own attribute access, named here
+            raise PackingConfigError(
+                f"{owner}.{name} cannot be read ({type(exc).__name__}: {exc}): a packing step reads it on every "
+                f"rank; give {owner}.{name} a value (None where unused)"
+            ) from exc
+
+
 def check_config_object(model_config: Any) -> None:
     """The settings are attributes of one config object: not None, not a plain mapping (a dict read from YAML),
-    and each field of :data:`STEP_FIELDS` reads without raising (as OmegaConf raises for a value left ``???``).
+    and each field of :data:`STEP_FIELDS` reads without raising (:func:`check_readable`).
 
     A mapping that also answers attributes (OmegaConf's ``DictConfig``, an attribute dict) is a config object.
     Called before anything else reads the config, so a field that raises is refused on every rank together.
@@ -278,14 +292,7 @@ def check_config_object(model_config: Any) -> None:
             "model_config=None: a packing step reads its settings as attributes of the model's config; pass the "
             "TransformerConfig the model was built with"
         )
-    for name in STEP_FIELDS:
-        try:
-            getattr(model_config, name, None)
-        except Exception as exc:  # noqa: BLE001 - any error of the config's own attribute access, named here
-            raise PackingConfigError(
-                f"model_config.{name} cannot be read ({type(exc).__name__}: {exc}): a packing step reads it on "
-                f"every rank; give model_config.{name} a value (None where unused)"
-            ) from exc
+    check_readable(model_config)
     if isinstance(model_config, Mapping) and not hasattr(model_config, "sequence_packing_scheduler"):
         raise PackingConfigError(
             f"model_config is a mapping ({type(model_config).__name__}): a packing step reads its settings as "

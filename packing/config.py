@@ -110,7 +110,12 @@ class _Layout(NamedTuple):
 
 def _get(cfg: Any, field: str) -> Any:
     part, name = field.split(".")
-    return getattr(getattr(cfg, part, None), name, CONFIG_DEFAULTS[field])
+    try:
+        return getattr(getattr(cfg, part, None), name, CONFIG_DEFAULTS[field])
+    except Exception as exc:  # noqa: BLE001 - a config's own attribute access (OmegaConf's ??? value), named here
+        raise PackingConfigError(
+            f"{field} cannot be read ({type(exc).__name__}: {exc}): give {field} a value (None where unused)"
+        ) from exc
 
 
 def _invalid(field: str, value: Any, fix: str) -> PackingConfigError:
@@ -355,6 +360,7 @@ def validate_global_batch_packing(cfg: Any) -> bool:
         return False
 
     _check_model(cfg)
+    runtime.check_readable(cfg.model, owner="model")
     _check_flags(cfg)
     _check_exclusive_modes(cfg)
     _check_dataset(cfg)

@@ -15,8 +15,9 @@ import pytest
 
 import packing
 from mcore_compat import adapter
-from mcore_compat.errors import UnsupportedPinError
+from mcore_compat.errors import PackingConfigError, UnsupportedPinError
 from packing.config import CONFIG_DEFAULTS, validate_global_batch_packing
+from tests.bad_input_ranks import ObservedConfig
 from tests.conftest import CLONE_HINT
 
 REPO = Path(__file__).resolve().parents[1]
@@ -514,6 +515,29 @@ def test_thd_tail_padding_on_the_portable_backend_is_refused_and_nothing_written
     assert "pad samples in the dataset" in str(err.value)
     assert not hasattr(cfg.model, "sequence_packing_scheduler")
     assert not hasattr(cfg.dataset, "global_batch_packing_pad_to_multiple_of")
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        "dataset.enable_global_batch_packing",
+        "dataset.seq_length",
+        "model.max_seqlen_per_dp_cp_rank",
+        "model.sequence_packing_scheduler",
+        "model.thd_max_packed_sequences",
+        "model.cp_partition_mode",
+    ],
+)
+def test_a_field_that_raises_on_reading_is_named(field: str, probe_calls: list) -> None:
+    """A field whose reading raises (OmegaConf's ``MissingMandatoryValue`` for ``???``) is a ``PackingConfigError``
+    naming it, not the config's own exception."""
+    cfg = make_cfg()
+    part, name = field.split(".")
+    setattr(cfg, part, ObservedConfig(vars(getattr(cfg, part)), unreadable=name))
+    with pytest.raises(PackingConfigError) as err:
+        validate_global_batch_packing(cfg)
+    assert str(err.value).startswith(f"{field} cannot be read (MissingMandatoryValue"), str(err.value)
+    assert probe_calls == []
 
 
 def test_missing_model_part() -> None:
