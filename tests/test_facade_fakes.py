@@ -19,6 +19,7 @@ import mcore_compat
 import packing
 from mcore_compat.adapters import UnsupportedAdapter
 from mcore_compat.errors import BadSampleError
+from tests.bad_input_ranks import ObservedConfig
 from tests.fake_mcore import FakeGroup, FakeMCore, microbatch, packing_config, pg_collection, sample, sample_ids
 from tests.real_outcomes import RUNS
 
@@ -452,6 +453,22 @@ def test_bad_wrap_input_fails_before_mcore(
         assert isinstance(excinfo.value, packing.PackingConfigError)
     if scheduler == "nope":
         assert "mcore-compat pin" not in str(excinfo.value), "a typo gets no pin advice"
+    assert fake_mcore.calls["wrap_data_iterator"] == []
+    assert int(next(raw)["padded_seq_len"]) == LENGTHS[0], "nothing was pulled from the raw iterator"
+
+
+@pytest.mark.parametrize("through", ["facade", "adapter"])
+def test_a_config_field_that_raises_on_reading_fails_before_mcore(fake_mcore: FakeMCore, through: str) -> None:
+    """The facade's wrap and the adapter's own refuse a config whose field raises on reading, naming it."""
+    chosen = mcore_compat.adapter()
+    if isinstance(chosen, UnsupportedAdapter):
+        pytest.skip(f"{fake_mcore.generation}: nothing packs on this pin")
+    raw = iter(samples())
+    config = ObservedConfig(vars(packing_config()), unreadable="dynamic_context_parallel")
+    wrap = packing.wrap_data_iterator_for_global_batch_packing if through == "facade" else chosen.wrap
+    with pytest.raises(packing.PackingConfigError) as excinfo:
+        wrap(raw, config, 4, pg_collection())
+    assert str(excinfo.value).startswith("model_config.dynamic_context_parallel cannot be read (MissingMandatory")
     assert fake_mcore.calls["wrap_data_iterator"] == []
     assert int(next(raw)["padded_seq_len"]) == LENGTHS[0], "nothing was pulled from the raw iterator"
 

@@ -167,6 +167,10 @@ class NativeSchedulerAdapter(PackingAdapter):
         MCore pulls the checked items (converted into a form it reads, where the pin needs that)
         from a replaying iterator, so it sees what it would have pulled from ``data_iterator``.
         """
+        try:
+            runtime.check_config_object(model_config)
+        except SETUP_ERRORS as error:
+            fail_together(error, num_microbatches, pg_collection, model_config)
         if self._config_runs_portably(model_config):
             return self._portable().wrap(data_iterator, model_config, num_microbatches, pg_collection)
         iterator = self.checked_iterator(data_iterator, model_config, num_microbatches, pg_collection)
