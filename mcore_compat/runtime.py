@@ -18,6 +18,7 @@ from typing import Any
 
 from mcore_compat.contract import Limits, alignment_multiple
 from mcore_compat.errors import PackingConfigError
+from mcore_compat.generations import PACKING_CONFIG_FIELDS
 from mcore_compat.portable.errors import NOT_AN_INT, SETTINGS_FIELDS
 
 __all__ = [
@@ -249,22 +250,26 @@ def standalone_mtp_stages(model_config: Any) -> frozenset[tuple[int, int]]:
     )
 
 
-STEP_FIELDS: tuple[str, ...] = (
-    *SETTINGS_FIELDS,
-    "hybrid_context_parallel",
-    "pipeline_model_parallel_layout",
-    "mtp_num_layers",
-    "calculate_per_token_loss",
-    "micro_batch_size",
-    "cuda_graph_impl",
-    "enable_cuda_graph",
-    "multi_latent_attention",
-    "num_moe_experts",
-    "is_hybrid_model",
-    "experimental_attention_variant",
+STEP_FIELDS: tuple[str, ...] = tuple(
+    dict.fromkeys(
+        (
+            *SETTINGS_FIELDS,
+            *PACKING_CONFIG_FIELDS,
+            "pipeline_model_parallel_layout",
+            "mtp_num_layers",
+            "calculate_per_token_loss",
+            "micro_batch_size",
+            "cuda_graph_impl",
+            "enable_cuda_graph",
+            "multi_latent_attention",
+            "num_moe_experts",
+            "is_hybrid_model",
+            "experimental_attention_variant",
+        )
+    )
 )
-"""Every model-config field a packing step reads (its wrap and fetches; the facade's and the pin's scheduler's;
-under dynamic CP also the fields that name the model's parts)."""
+"""Every model-config field a packing step reads (its wrap and fetches; the facade's and, from the generation table,
+every generation's scheduler's; under dynamic CP also the fields that name the model's parts)."""
 
 
 def check_readable(model_config: Any, owner: str = "model_config") -> None:
