@@ -52,6 +52,9 @@ __all__ = [
 
 SCHEDULER_MODULE = "megatron.core.datasets.data_schedule"
 SCHEDULER_UTILS_MODULE = "megatron.core.datasets.data_schedule_utils"
+TE_EXTENSIONS_MODULE = "megatron.core.extensions.transformer_engine"
+"""Where dev's ``get_thd_partitioned_indices`` (Transformer Engine's THD partition) lives; the scheduler's utils import
+it by name, and G5's THD padding (``packed_seq_params``) imports it from here when it runs."""
 WRAP_FUNCTION = "wrap_data_iterator"
 FETCH_FUNCTION = "get_batch_on_this_rank_for_sequence_packing"
 SCALARS_BROADCAST_FUNCTION = "broadcast_scalars"

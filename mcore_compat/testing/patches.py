@@ -26,7 +26,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from mcore_compat.generations import SCHEDULER_MODULE, SCHEDULER_UTILS_MODULE
+from mcore_compat.generations import SCHEDULER_MODULE, SCHEDULER_UTILS_MODULE, TE_EXTENSIONS_MODULE
 from mcore_compat.thd import thd_partitioned_indices
 
 PartitionFn = Callable[[torch.Tensor, int, int, int], torch.Tensor]
@@ -147,13 +147,15 @@ def _import(name: str) -> ModuleType | None:
 def _apply_partition(patcher: _Patcher, partition: PartitionFn) -> None:
     """Replace TE's THD partition wherever this pin calls it, found by attribute presence."""
     schedule = _import(SCHEDULER_MODULE)
-    utils = _import(SCHEDULER_UTILS_MODULE)
     if schedule is not None and hasattr(schedule, "tex"):
         patcher.setattr(schedule, "tex", SimpleNamespace(thd_get_partitioned_indices=partition))
         patcher.applied.append(f"P6 {SCHEDULER_MODULE}.tex.thd_get_partitioned_indices")
-    if utils is not None and hasattr(utils, "get_thd_partitioned_indices"):
-        patcher.setattr(utils, "get_thd_partitioned_indices", partition)
-        patcher.applied.append(f"P6 {SCHEDULER_UTILS_MODULE}.get_thd_partitioned_indices")
+    # dev: Transformer Engine's partition wrapper, imported by name into the utils (which import its module), and
+    # looked up in its module when G5's THD padding runs
+    for module in (_import(SCHEDULER_UTILS_MODULE), sys.modules.get(TE_EXTENSIONS_MODULE)):
+        if module is not None and hasattr(module, "get_thd_partitioned_indices"):
+            patcher.setattr(module, "get_thd_partitioned_indices", partition)
+            patcher.applied.append(f"P6 {module.__name__}.get_thd_partitioned_indices")
     # The portable backend also runs on native pins (schedulers their registry lacks, dynamic CP on main).
     portable = importlib.import_module("mcore_compat.portable.microbatch")
     patcher.setattr(portable, "thd_partitioned_indices", partition)
