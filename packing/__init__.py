@@ -220,8 +220,11 @@ def get_batch_for_global_batch_packing(
 
     Returns ``(tokens, labels, loss_mask, attention_mask, position_ids, packed_seq_params, padding_mask)``;
     ``attention_mask`` is always None (THD) and ``padding_mask`` is None on pins whose fetch returns six values.
+    Raises ``PackingConfigError`` before the pin's fetch where ``model_config`` is not the config object ``wrap``
+    takes (None, a plain dict, a field that raises on reading), on every pin alike.
     """
     runtime.require_pg_collection(pg_collection)
+    runtime.check_config_object(model_config)
     chosen = adapter()
     portable_api = _portable_api_for(chosen, model_config)
     _, fetch = portable_api or _scheduler_api()

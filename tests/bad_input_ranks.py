@@ -60,6 +60,8 @@ class BadInput:
     fetch_from: str = "packed"
     """What the fetches get: the iterator ``wrap`` returned, the ``"raw"`` sample iterator, ``"none"``, or a
     ``"list"`` (with VPP the list of every stage's iterators, else ``[iterator]``)."""
+    fetch_config_none: bool = False
+    """The fetches get None in place of the model config on the ranks ``dp_rank`` names (``wrap`` gets the config)."""
     elsewhere: str | None = None
     """A :func:`mutate` of every item ``mutation`` leaves alone, on every rank (e.g. all samples at capacity)."""
     config_as: str | None = None
@@ -561,7 +563,8 @@ def _run(bad: BadInput, case: Case, pg: Any, rank: int, virtual: int | None = No
             packed = [packed] * virtual if virtual is not None else [packed]
         elif bad.fetch_from != "packed":
             packed = source if bad.fetch_from == "raw" else None
-        outcome.fetched = _fetch_all(fetch, packed, count, config, pg, virtual)
+        fetch_config = None if bad.fetch_config_none and bad.dp_rank in (None, pg.dp.rank()) else config
+        outcome.fetched = _fetch_all(fetch, packed, count, fetch_config, pg, virtual)
     except BaseException as exc:  # noqa: BLE001 - the test compares what every rank raised
         outcome.kind, outcome.message = type(exc).__name__, str(exc)
         outcome.bad_sample_error = isinstance(exc, BadSampleError)

@@ -289,6 +289,11 @@ CASES: list[tuple[BadInput, str, tuple[str, ...]]] = [
         ("model_config.pipeline_model_parallel_layout cannot be read", "DP rank 0", "only"),
     ),
     (
+        BadInput("model config None at fetch", fetch_config_none=True, dp_rank=None),
+        CONFIG,
+        ("model_config=None", "TransformerConfig"),
+    ),
+    (
         BadInput("pg_collection None on one rank", pg_drop=("*",)),
         CONFIG,
         ("pg_collection=None", "use_mpu_process_groups", "on global rank", "only"),

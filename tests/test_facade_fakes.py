@@ -481,3 +481,22 @@ def test_bad_fetch_input_fails_before_mcore(fake_mcore: FakeMCore) -> None:
         packing.finalize_packed_seq_params(object(), None)
     assert fake_mcore.calls["get_batch_on_this_rank_for_sequence_packing"] == []
     assert next(stream, None) is not None
+
+
+@pytest.mark.parametrize(
+    ("config", "fragment"),
+    [
+        (None, "model_config=None"),
+        (vars(packing_config()), "model_config is a mapping (dict)"),
+        (ObservedConfig(vars(packing_config()), unreadable="mtp_num_layers"), "model_config.mtp_num_layers cannot be"),
+    ],
+    ids=["None", "dict", "unreadable"],
+)
+def test_a_fetch_refuses_what_is_not_a_config_before_mcore(fake_mcore: FakeMCore, config: Any, fragment: str) -> None:
+    """The same on every pin, whether or not its fetch reads the config."""
+    stream = packed_stream(1)
+    with pytest.raises(packing.PackingConfigError) as excinfo:
+        packing.get_batch_for_global_batch_packing(stream, config, pg_collection=pg_collection(), vp_stage=None)
+    assert str(excinfo.value).startswith(fragment), str(excinfo.value)
+    assert fake_mcore.calls["get_batch_on_this_rank_for_sequence_packing"] == []
+    assert next(stream, None) is not None
