@@ -28,6 +28,7 @@ from mcore_compat.errors import BadSampleError, PackingConfigError, PackingError
 from mcore_compat.testing import Case, Layout, cpu_patches, model_config
 from mcore_compat.testing.runner import mpu_pg_collection
 from mcore_compat.testing.samples import prepack
+from tests.observed_config import ObservedConfig
 
 
 @dataclass(frozen=True)
@@ -457,31 +458,6 @@ class Outcome:
     """Per fetched microbatch, :func:`_microbatch_record`."""
     config_reads: list[str] = field(default_factory=list)
     """The model-config fields read on this rank in the case's wrap and fetches."""
-
-
-class MissingMandatoryValue(Exception):
-    """What OmegaConf raises on reading a mandatory value left ``???`` (not an ``AttributeError``)."""
-
-
-class ObservedConfig(SimpleNamespace):
-    """A model config that records the names of the public attributes read from it; reading ``unreadable`` raises
-    :class:`MissingMandatoryValue`."""
-
-    def __init__(self, fields: dict[str, Any], unreadable: str | None = None) -> None:
-        super().__init__(**fields)
-        self._reads: set[str] = set()
-        self._unreadable = unreadable
-
-    def __getattribute__(self, name: str) -> Any:
-        if not name.startswith("_"):
-            object.__getattribute__(self, "_reads").add(name)
-            if name == object.__getattribute__(self, "_unreadable"):
-                raise MissingMandatoryValue(f"Missing mandatory value: {name}")
-        return object.__getattribute__(self, name)
-
-    def fields(self) -> dict[str, Any]:
-        """The config's fields, as a plain dict."""
-        return {k: v for k, v in vars(self).items() if not k.startswith("_")}
 
 
 def _config(case: Case, bad: BadInput, dp_rank: int) -> ObservedConfig:

@@ -17,8 +17,8 @@ import packing
 from mcore_compat import adapter
 from mcore_compat.errors import PackingConfigError, UnsupportedPinError
 from packing.config import CONFIG_DEFAULTS, validate_global_batch_packing
-from tests.bad_input_ranks import ObservedConfig
 from tests.conftest import CLONE_HINT
+from tests.observed_config import ObservedConfig
 
 REPO = Path(__file__).resolve().parents[1]
 DROP = object()

@@ -19,8 +19,8 @@ import mcore_compat
 import packing
 from mcore_compat.adapters import UnsupportedAdapter
 from mcore_compat.errors import BadSampleError
-from tests.bad_input_ranks import ObservedConfig
 from tests.fake_mcore import FakeGroup, FakeMCore, microbatch, packing_config, pg_collection, sample, sample_ids
+from tests.observed_config import ObservedConfig
 from tests.real_outcomes import RUNS
 
 NATIVE = ("G2", "G3", "G4", "G4b", "G5", "G6", "G6b", "G7", "G8", "M3")

@@ -25,7 +25,7 @@ from mcore_compat.runtime import (
     standalone_mtp_stages,
     virtual_stages,
 )
-from tests.bad_input_ranks import ObservedConfig
+from tests.observed_config import ObservedConfig
 
 # (fields on the config, a fragment of the error, or None when the settings pass)
 THD_CASES: list[tuple[dict[str, Any], str | None]] = [
