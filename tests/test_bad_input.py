@@ -601,13 +601,17 @@ def test_good_input_after_bad_input_runs(outcomes: dict):
     assert {o.microbatches for o in ranks} != {0}
 
 
+def _assert_reads_only_checked_fields(collected: dict) -> None:
+    reads = {name for ranks in collected["runs"].values() for o in ranks if o.kind == "ok" for name in o.config_reads}
+    assert "max_seqlen_per_dp_cp_rank" in reads
+    assert reads <= set(STEP_FIELDS), sorted(reads - set(STEP_FIELDS))
+
+
 def test_a_step_reads_only_config_fields_checked_before_the_agreement(outcomes: dict):
     """Every model-config field a step that packs reads (wrap and fetches: the facade and the pin's own scheduler)
     is one ``check_config_object`` reads first, so a field whose reading raises is refused on every rank together
     instead of inside a collective."""
-    reads = {name for ranks in outcomes["runs"].values() for o in ranks if o.kind == "ok" for name in o.config_reads}
-    assert "max_seqlen_per_dp_cp_rank" in reads
-    assert reads <= set(STEP_FIELDS), sorted(reads - set(STEP_FIELDS))
+    _assert_reads_only_checked_fields(outcomes)
 
 
 GOOD = "good input"
@@ -780,6 +784,10 @@ def test_interleaved_random_defects_end_alike(interleaved: dict, case: BadInput,
     seen = {(o.kind, o.message) for o in ranks}
     assert len(seen) == 1, f"ranks disagree on {interleaved['backend']}: {seen}"
     assert seen == {("ok", "")} or all(o.bad_sample_error for o in ranks), seen
+
+
+def test_interleaved_steps_read_only_config_fields_checked_before_the_agreement(interleaved: dict):
+    _assert_reads_only_checked_fields(interleaved)
 
 
 def test_interleaved_good_input_packs_as_the_pin_does(interleaved: dict):
