@@ -32,6 +32,7 @@ from mcore_compat.generations import MODEL_COMPONENTS, ModelComponent
 __all__ = [
     "MODEL_COMPONENTS",
     "NoContextParallelGroup",
+    "dynamic_cp_component_refusal",
     "dynamic_cp_model_refusal",
     "enable_dynamic_cp_model_support",
     "model_components_following_in_source",
@@ -358,9 +359,34 @@ def dynamic_cp_model_refusal(capabilities: Any, model_config: Any = None) -> str
     """
     if getattr(capabilities, "dynamic_cp_group_getter", None) is None:
         return None
+    reason = dynamic_cp_component_refusal(capabilities, model_config)
+    if reason is None and not _attention_follows(capabilities) and not model_support_applied():
+        return (
+            f"dynamic CP on {capabilities.describe()} needs packing.enable_dynamic_cp_model_support() called "
+            "before the model is built: this pin's attention rotates RoPE on the static CP group and creates "
+            f"Transformer Engine's CP stream only for static CP > 1 (upstream fix: {UPSTREAM_ATTENTION_FIX})"
+        )
+    return reason
+
+
+def _following(capabilities: Any) -> set[ModelComponent]:
     following = set(model_components_following_microbatch_cp_group())
     if not following and getattr(capabilities, "generation_info", None) is not None:
         following = set(capabilities.generation_info.model_follows_microbatch_cp_group)
+    return following
+
+
+def _attention_follows(capabilities: Any) -> bool:
+    return "attention" in _following(capabilities)
+
+
+def dynamic_cp_component_refusal(capabilities: Any, model_config: Any) -> str | None:
+    """Why a part of the model ``model_config`` describes (MLA, MTP, MoE, Mamba, an attention variant) would
+    run a dynamic-CP bin on the static CP group with this pin's code, or None (also for pins without dynamic CP).
+    """
+    if getattr(capabilities, "dynamic_cp_group_getter", None) is None:
+        return None
+    following = _following(capabilities)
     attention_follows = "attention" in following
     for component, what in _config_components(model_config):
         if component == "attention":
@@ -376,10 +402,4 @@ def dynamic_cp_model_refusal(capabilities: Any, model_config: Any = None) -> str
                 f"dynamic CP is not supported for {what} on {capabilities.describe()}: its code keeps the static "
                 f"CP group ({_UPSTREAM[component]}); {_remedy()}"
             )
-    if not attention_follows and not model_support_applied():
-        return (
-            f"dynamic CP on {capabilities.describe()} needs packing.enable_dynamic_cp_model_support() called "
-            "before the model is built: this pin's attention rotates RoPE on the static CP group and creates "
-            f"Transformer Engine's CP stream only for static CP > 1 (upstream fix: {UPSTREAM_ATTENTION_FIX})"
-        )
     return None

@@ -227,6 +227,25 @@ def check_dynamic_cp_microbatch_group(model_config: Any) -> None:
         )
 
 
+def check_pipeline_shapes(model_config: Any, pipeline_stages: int) -> None:
+    """With several pipeline stages, ``variable_seq_lengths`` is True.
+
+    Packed microbatches vary in length; Megatron-Core's pipeline schedule sends each stage's activations
+    with their shape ahead of them only when ``variable_seq_lengths`` is set, else the next stage receives
+    into a buffer of the fixed ``seq_length`` shape. Dev's ``TransformerConfig`` sets it whenever a
+    ``sequence_packing_scheduler`` is given to its constructor; set after construction (and on pins
+    without that field) it stays False.
+    """
+    value = getattr(model_config, "variable_seq_lengths", None)
+    if pipeline_stages > 1 and value is not True:
+        raise PackingConfigError(
+            f"model_config.variable_seq_lengths={value!r} with {pipeline_stages} pipeline stages: packed "
+            "microbatches vary in length, and Megatron-Core's pipeline schedule sends activations in the fixed "
+            "seq_length shape unless it is True (the next stage would receive a tensor of another size); set "
+            "model_config.variable_seq_lengths=True"
+        )
+
+
 def virtual_stages(model_config: Any) -> int | None:
     """The number of virtual pipeline stages per pipeline rank when there are several, else None
     (after :func:`check_virtual_stages`)."""
@@ -257,6 +276,8 @@ STEP_FIELDS: tuple[str, ...] = tuple(
             *PACKING_CONFIG_FIELDS,
             "pipeline_model_parallel_layout",
             "mtp_num_layers",
+            "variable_seq_lengths",
+            "context_parallel_size",
             "calculate_per_token_loss",
             "micro_batch_size",
             "cuda_graph_impl",
@@ -306,7 +327,7 @@ def check_config_object(model_config: Any) -> None:
         )
 
 
-def check_settings(model_config: Any, pool: int, dynamic_cp: bool) -> None:
+def check_settings(model_config: Any, pool: int, dynamic_cp: bool, pipeline_stages: int = 1) -> None:
     """Every setting a step reads, before the pin is asked whether it can run them.
 
     A config mistake is reported as one (naming the field and the fix) even where the pin would also
@@ -315,6 +336,7 @@ def check_settings(model_config: Any, pool: int, dynamic_cp: bool) -> None:
     check_switches(model_config)
     scheduler_name(model_config)
     check_virtual_stages(model_config)
+    check_pipeline_shapes(model_config, pipeline_stages)
     if dynamic_cp:
         check_min_dynamic_cp_size(model_config, pool)
         check_dynamic_cp_microbatch_group(model_config)

@@ -175,7 +175,8 @@ def wrap_data_iterator_for_global_batch_packing(
     try:
         runtime.require_groups(pg_collection)
         runtime.check_config_object(model_config)
-        runtime.check_settings(model_config, pg_collection.dp_cp.size(), chosen.dynamic_cp_enabled(model_config))
+        dynamic_cp = chosen.dynamic_cp_enabled(model_config)
+        runtime.check_settings(model_config, pg_collection.dp_cp.size(), dynamic_cp, pg_collection.pp.size())
         chosen.require_runnable(model_config)
     except SETUP_ERRORS as error:
         if _scheduler_api is _PIN_SCHEDULER_API:  # the step agrees: the other ranks wait there for this one

@@ -51,6 +51,9 @@ on every rank (BAD) there; packed everywhere else."""
 STAGES = "refused where there are pipeline stages"
 """A defect on one pipeline stage only: BAD with the case's fragments where the layout has pipeline stages (they load
 different samples for one DP rank); with one stage it hits every rank of that DP rank alike, and the step packs."""
+PIPELINE_CONFIG = "a config error where there are pipeline stages"
+"""A setting only pipeline stages need: CONFIG with the case's fragments where the layout has pipeline stages, else
+the step packs."""
 PADDED = "refused where the backend does not pad packed microbatches"
 """A bad input under THD padding (``pad_packed_seq_alignment``): the portable backend refuses the setting on every
 rank (naming it); where Megatron-Core's fetch pads, BAD with the case's fragments."""
@@ -352,6 +355,16 @@ CASES: list[tuple[BadInput, str, tuple[str, ...]]] = [
         ("not a list", "virtual_pipeline_model_parallel_size=2", "one iterator per virtual pipeline stage"),
     ),
     (
+        BadInput("variable_seq_lengths False", config=(("variable_seq_lengths", False),)),
+        PIPELINE_CONFIG,
+        ("variable_seq_lengths=False", "pipeline stages", "set model_config.variable_seq_lengths=True"),
+    ),
+    (
+        BadInput("variable_seq_lengths unset on one rank", rank_config=(("variable_seq_lengths", None),)),
+        PIPELINE_CONFIG,
+        ("variable_seq_lengths=None", "DP rank 1", "set model_config.variable_seq_lengths=True"),
+    ),
+    (
         BadInput("virtual stages a float", config=(("virtual_pipeline_model_parallel_size", 2.0),)),
         CONFIG,
         ("virtual_pipeline_model_parallel_size=2.0", "None", "positive int"),
@@ -545,6 +558,8 @@ def _assert_alike_and_clear(outcomes: dict, case: BadInput, expected: str, fragm
         expected, fragments = (BAD, fragments) if outcomes["fixed_entry"] else ("ok", ())
     if expected == STAGES:
         expected, fragments = (BAD, fragments) if outcomes["pipeline"] else ("ok", ())
+    if expected == PIPELINE_CONFIG:
+        expected, fragments = (CONFIG, fragments) if outcomes["pipeline"] else ("ok", ())
     if expected == PADDED:
         expected, fragments = (
             ("UnsupportedPinError", ("pad_packed_seq_alignment",))

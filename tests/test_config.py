@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 import packing
-from mcore_compat import adapter
+from mcore_compat import adapter, detect
 from mcore_compat.errors import PackingConfigError, UnsupportedPinError
 from packing.config import CONFIG_DEFAULTS, validate_global_batch_packing
 from tests.conftest import CLONE_HINT
@@ -515,6 +515,36 @@ def test_thd_tail_padding_on_the_portable_backend_is_refused_and_nothing_written
     assert "pad samples in the dataset" in str(err.value)
     assert not hasattr(cfg.model, "sequence_packing_scheduler")
     assert not hasattr(cfg.dataset, "global_batch_packing_pad_to_multiple_of")
+
+
+@pytest.mark.skipif(adapter().backend != "portable", reason="the installed pin runs dp_balanced natively")
+def test_contiguous_cp_partition_on_the_portable_backend_is_refused_and_nothing_written() -> None:
+    cfg = make_cfg({"model.cp_partition_mode": "contiguous"})
+    with pytest.raises(UnsupportedPinError) as err:
+        validate_global_batch_packing(cfg)
+    assert "cp_partition_mode='contiguous' with context-parallel size 2" in str(err.value)
+    assert "set it to 'zigzag'" in str(err.value)
+    assert not hasattr(cfg.model, "sequence_packing_scheduler")
+    without_cp = {"model.context_parallel_size": 1, "model.max_seqlen_per_dp_cp_rank": 4096}
+    assert validate_global_batch_packing(make_cfg({"model.cp_partition_mode": "contiguous", **without_cp}))
+
+
+@pytest.mark.skipif(detect().generation != "G1", reason="the releases' model parts keep the static CP group")
+@pytest.mark.parametrize(
+    ("field", "value", "part"),
+    [
+        ("multi_latent_attention", True, "multi-latent attention"),
+        ("mtp_num_layers", 1, "multi-token prediction"),
+        ("num_moe_experts", 8, "MoE aux-loss reduction"),
+    ],
+)
+def test_dynamic_cp_with_a_model_part_on_the_static_cp_group_is_refused(field: str, value: Any, part: str) -> None:
+    cfg = make_cfg({**DYNAMIC, f"model.{field}": value})
+    with pytest.raises(UnsupportedPinError) as err:
+        validate_global_batch_packing(cfg)
+    assert f"dynamic CP is not supported for {part} ({field}={value})" in str(err.value)
+    assert "static CP group" in str(err.value)
+    assert not hasattr(cfg.model, "sequence_packing_scheduler")
 
 
 @pytest.mark.parametrize(

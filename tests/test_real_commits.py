@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +20,7 @@ import pytest
 
 import mcore_compat
 from mcore_compat.adapters import ADAPTERS, UnsupportedAdapter
-from tests.conftest import FAKE_GENERATIONS, doctor_report
+from tests.conftest import FAKE_GENERATIONS, PROJECT, doctor_report
 from tests.fake_mcore import installed
 from tests.real_trees import FIRST_COMMITS, HOW_TO_GET_ONE, REPO, TIPS, scheduler_commits, tree
 
@@ -120,3 +123,44 @@ def test_branch_tip(branch: str) -> None:
     assert report["runnable"], "both tips run dp_balanced natively"
     by_request = {(row["scheduler"], row["dynamic_cp"]): row["runnable"] for row in report["schedulers"]}
     assert by_request[("default_dynamic_cp", True)] is (branch == "dev")
+
+
+MODEL_PARTS = {
+    "mla": {"multi_latent_attention": True},
+    "mtp": {"mtp_num_layers": 1},
+    "moe_aux_loss": {"num_moe_experts": 8},
+    "mamba": {"is_hybrid_model": True},
+}
+"""A model config field that switches each model part on."""
+KEEPS_STATIC_CP_GROUP = {
+    **dict.fromkeys(("G1", "G2", "G3", "M1", "M2", "M3"), set(MODEL_PARTS)),
+    "G4": {"mla", "moe_aux_loss"},
+    "G4b": {"moe_aux_loss"},
+    **dict.fromkeys(("G5", "G6", "G6b", "G7", "G8"), set()),
+}
+"""The model parts whose code runs a dynamic-CP bin on the static CP group, per generation (README, Model support
+for dynamic CP: on dev MTP and Mamba follow the bin's group from G4, MLA from G4b, MoE aux loss from G5; the
+releases and main follow with none)."""
+_REFUSALS = """
+import json, types
+from mcore_compat.adapters import adapter
+parts = json.loads({parts!r})
+refused = []
+for name, fields in parts.items():
+    config = types.SimpleNamespace(
+        sequence_packing_scheduler="default_dynamic_cp", dynamic_context_parallel=True, **fields
+    )
+    if adapter().config_refusal(config, "default_dynamic_cp") is not None:
+        refused.append(name)
+print(json.dumps(refused))
+"""
+
+
+@pytest.mark.parametrize(("generation", "commit"), FIRST_COMMITS, ids=[f"{g}-{c}" for g, c in FIRST_COMMITS])
+def test_dynamic_cp_refuses_the_model_parts_that_keep_the_static_cp_group(generation: str, commit: str) -> None:
+    """What the config check (and so validation and every step, native or portable) refuses under dynamic CP."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, (tree(commit), PROJECT))), "OMP_NUM_THREADS": "1"}
+    script = _REFUSALS.format(parts=json.dumps(MODEL_PARTS))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert set(json.loads(proc.stdout.splitlines()[-1])) == KEEPS_STATIC_CP_GROUP[generation]

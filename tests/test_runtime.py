@@ -17,6 +17,7 @@ from mcore_compat.errors import PackingConfigError
 from mcore_compat.portable.errors import SETTINGS_FIELDS
 from mcore_compat.runtime import (
     check_config_object,
+    check_pipeline_shapes,
     check_switches,
     check_thd_settings,
     check_virtual_stages,
@@ -240,6 +241,23 @@ VIRTUAL_STAGE_CASES: list[tuple[dict[str, Any], str | None]] = [
 @pytest.mark.parametrize(("fields", "fragment"), VIRTUAL_STAGE_CASES, ids=[str(c[0]) for c in VIRTUAL_STAGE_CASES])
 def test_virtual_stage_settings(fields: dict[str, Any], fragment: str | None) -> None:
     message = _message(check_virtual_stages, SimpleNamespace(**fields))
+    assert message is None if fragment is None else fragment in (message or ""), message
+
+
+PIPELINE_SHAPE_CASES: list[tuple[dict[str, Any], int, str | None]] = [
+    ({}, 1, None),
+    ({"variable_seq_lengths": False}, 1, None),
+    ({"variable_seq_lengths": True}, 2, None),
+    ({"variable_seq_lengths": False}, 2, "variable_seq_lengths=False with 2 pipeline stages"),
+    ({}, 4, "variable_seq_lengths=None with 4 pipeline stages"),
+    ({"variable_seq_lengths": 1}, 2, "variable_seq_lengths=1"),
+    ({"variable_seq_lengths": "True"}, 3, "set model_config.variable_seq_lengths=True"),
+]
+
+
+@pytest.mark.parametrize(("fields", "stages", "fragment"), PIPELINE_SHAPE_CASES)
+def test_pipeline_stages_need_variable_seq_lengths(fields: dict[str, Any], stages: int, fragment: str | None) -> None:
+    message = _message(lambda config: check_pipeline_shapes(config, stages), SimpleNamespace(**fields))
     assert message is None if fragment is None else fragment in (message or ""), message
 
 

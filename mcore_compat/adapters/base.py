@@ -19,6 +19,7 @@ import mcore_compat.runtime as runtime
 from mcore_compat.capabilities import Capabilities, route_prebuilder
 from mcore_compat.errors import PackingConfigError, UnsupportedPinError
 from mcore_compat.generations import FETCH_FUNCTION, GENERATIONS, SCHEDULER_MODULE, WRAP_FUNCTION, Generation
+from mcore_compat.model_support import dynamic_cp_component_refusal
 from mcore_compat.pins import load as load_pins
 from mcore_compat.results import PackedBatch, SchedulerApi, WrapResult
 
@@ -199,7 +200,12 @@ class PackingAdapter(ABC):
 
     def config_refusal(self, model_config: Any, scheduler: str) -> str | None:
         """A model-config setting this pin cannot run ``scheduler`` with (e.g. a flag that would take the step
-        away from packed microbatches), or None."""
+        away from packed microbatches, or under dynamic CP a model component whose code keeps the static CP
+        group), or None."""
+        if self.dynamic_cp_enabled(model_config):
+            reason = dynamic_cp_component_refusal(self.capabilities, model_config)
+            if reason is not None:
+                return reason
         flag = self.facts.schedule_diverts_on
         if flag is None or getattr(model_config, flag, None) is not True:
             return None

@@ -280,6 +280,7 @@ class NativeSchedulerAdapter(PackingAdapter):
         """Check this rank's settings as the pin's scheduler will read them; the limits its samples must meet."""
         runtime.require_groups(pg_collection)
         self._check_runtime_config(model_config)
+        runtime.check_pipeline_shapes(model_config, pg_collection.pp.size())
         dynamic_cp = self.dynamic_cp_enabled(model_config)
         if dynamic_cp:
             runtime.check_min_dynamic_cp_size(model_config, pg_collection.dp_cp.size())

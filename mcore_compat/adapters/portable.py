@@ -51,7 +51,7 @@ from mcore_compat.adapters.base import (
 from mcore_compat.agreement import SETUP_ERRORS, agree, fail_together, microbatch_count
 from mcore_compat.capabilities import Capabilities
 from mcore_compat.contract import Limits, LocalBatch, is_iterator, read_step, stage_source
-from mcore_compat.errors import PackingConfigError, UnsupportedPinError
+from mcore_compat.errors import UnsupportedPinError
 from mcore_compat.portable import SCHEDULERS, dynamic, exchange
 from mcore_compat.portable.entry_points import entry_points
 from mcore_compat.portable.errors import (
@@ -116,6 +116,17 @@ def read_settings(model_config: Any) -> Settings:
     return Settings(capacity, vpp_size, vpp_group, max_seqs, scheduler if scheduler in PLANNERS else SCHEDULER)
 
 
+def _partition_refusal(model_config: Any, cp_size: int, scheduler: str) -> str | None:
+    """Why this backend cannot slice sequences as ``cp_partition_mode`` asks at context-parallel size ``cp_size``."""
+    mode = getattr(model_config, "cp_partition_mode", runtime.CP_PARTITION_MODES[0])
+    if cp_size <= 1 or mode == runtime.CP_PARTITION_MODES[0]:
+        return None
+    return (
+        f"model_config.cp_partition_mode={mode!r} with context-parallel size {cp_size}: the portable backend "
+        f"(which runs {scheduler} on this pin) slices sequences zigzag; set it to 'zigzag'"
+    )
+
+
 class PortableAdapter(PackingAdapter):
     """``dp_balanced`` implemented on ``torch.distributed`` for pins without ``wrap_data_iterator``.
 
@@ -173,16 +184,20 @@ class PortableAdapter(PackingAdapter):
         return None
 
     def config_refusal(self, model_config: Any, scheduler: str) -> str | None:
-        """Besides the base rule: THD tail padding (``pad_packed_seq_alignment``), which this backend does not do."""
+        """Besides the base rules: THD tail padding (``pad_packed_seq_alignment``), which this backend does not
+        do, and a CP partition other than zigzag at the config's ``context_parallel_size``."""
         reason = super().config_refusal(model_config, scheduler)
-        alignment = getattr(model_config, "pad_packed_seq_alignment", None)
-        if reason is not None or alignment is None:
+        if reason is not None:
             return reason
-        return self.refusal(
-            f"model_config.pad_packed_seq_alignment={alignment!r}: the portable backend, which packs "
-            f"{scheduler!r} here, does not pad packed microbatches (THD tail padding)",
-            "Leave pad_packed_seq_alignment None and pad samples in the dataset instead.",
-        )
+        alignment = getattr(model_config, "pad_packed_seq_alignment", None)
+        if alignment is not None:
+            return self.refusal(
+                f"model_config.pad_packed_seq_alignment={alignment!r}: the portable backend, which packs "
+                f"{scheduler!r} here, does not pad packed microbatches (THD tail padding)",
+                "Leave pad_packed_seq_alignment None and pad samples in the dataset instead.",
+            )
+        cp_size = getattr(model_config, "context_parallel_size", 1)
+        return _partition_refusal(model_config, cp_size if isinstance(cp_size, int) else 1, scheduler)
 
     def dynamic_cp_refusal(self, model_config: Any = None) -> str | None:
         """Why ``default_dynamic_cp`` cannot run here: no DP x CP sub-groups, or a model that ignores them."""
@@ -240,21 +255,15 @@ class PortableAdapter(PackingAdapter):
         runtime.require_groups(pg)
         runtime.check_config_object(model_config)
         dynamic_cp = self.dynamic_cp_enabled(model_config)
-        runtime.check_settings(model_config, pg.dp_cp.size(), dynamic_cp)
+        runtime.check_settings(model_config, pg.dp_cp.size(), dynamic_cp, pg.pp.size())
         self.require_runnable(model_config)
         settings = read_settings(model_config)
-        mode = getattr(model_config, "cp_partition_mode", runtime.CP_PARTITION_MODES[0])
-        if pg.cp.size() > 1 and mode != runtime.CP_PARTITION_MODES[0]:
-            raise PackingConfigError(
-                f"model_config.cp_partition_mode={mode!r} with context-parallel size {pg.cp.size()}: the portable "
-                f"backend (which runs {settings.scheduler} on this pin) slices sequences zigzag; set it to 'zigzag'"
-            )
+        reason = _partition_refusal(model_config, pg.cp.size(), settings.scheduler)
+        if reason is not None:
+            raise UnsupportedPinError(reason)
         limits = runtime.step_limits(model_config, pg, dynamic_cp)
         if not dynamic_cp:
             return settings, limits, None
-        reason = self.dynamic_cp_refusal(model_config)
-        if reason is not None:
-            raise UnsupportedPinError(reason)
         min_size = dynamic_cp_support.check_dynamic_cp_rules(self.capabilities, model_config, pg)
         dynamic_cp_support.require_dynamic_cp_groups(self.capabilities, pg.dp_cp.size(), min_size)
         return settings, limits, min_size

@@ -83,6 +83,7 @@ def model_config(case: Case) -> SimpleNamespace:
         min_dynamic_context_parallel_size=case.min_dynamic_cp_size,
         pipeline_model_parallel_layout=None,
         mtp_num_layers=None,
+        variable_seq_lengths=True,
     )
 
 

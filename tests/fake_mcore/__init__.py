@@ -101,6 +101,7 @@ def packing_config(
         min_dynamic_context_parallel_size=1,
         pipeline_model_parallel_layout=None,
         mtp_num_layers=mtp_num_layers,
+        variable_seq_lengths=True,
     )
 
 
