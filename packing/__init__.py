@@ -130,7 +130,9 @@ def dynamic_cp_initialize_keywords(min_size: int = 1) -> dict[str, Any]:
     return keywords(detect(), min_size)
 
 
-def probe_global_batch_packing_support(scheduler: str, *, dynamic_cp: bool = False) -> str | None:
+def probe_global_batch_packing_support(
+    scheduler: str, *, dynamic_cp: bool = False, model_config: PackingModelConfig | None = None
+) -> str | None:
     """Return why the pinned Megatron-Core cannot run ``scheduler``, as one actionable sentence, or None if it can.
 
     Probing the registered schedulers and the entry-point signatures lets validation fail with an actionable
@@ -138,11 +140,22 @@ def probe_global_batch_packing_support(scheduler: str, *, dynamic_cp: bool = Fal
     packed fetch to accept the dynamic-CP arguments. Unlike Bridge, a release without Megatron-Core's
     scheduler is not refused ``dp_balanced``: the portable backend runs it. A ``scheduler`` that is not a
     string (a ``str`` enum member is one) or a ``dynamic_cp`` that is not a bool is answered with why.
+    With ``model_config`` (not in Bridge's signature) the model settings the pin cannot run are answered too:
+    under dynamic CP a model part whose code keeps the static CP group (MLA, MTP, MoE, Mamba), and where the
+    portable backend packs, THD tail padding or a CP partition other than zigzag.
     """
     arguments = runtime.probe_arguments(scheduler, dynamic_cp)
     if isinstance(arguments, str):
         return arguments
-    return adapter().probe(arguments[0], dynamic_cp=arguments[1])
+    chosen = adapter()
+    reason = chosen.probe(arguments[0], dynamic_cp=arguments[1])
+    if reason is not None or model_config is None:
+        return reason
+    try:
+        runtime.check_config_object(model_config)
+    except PackingConfigError as error:
+        return str(error)
+    return chosen.config_refusal(model_config, arguments[0])
 
 
 def _iterator_for_tp_rank(data_iterator: Any, pg_collection: ProcessGroupCollectionLike) -> Any:

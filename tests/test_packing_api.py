@@ -45,7 +45,10 @@ PACKING_ALL = [
 SIGNATURES = {
     "global_batch_packing_enabled": "(model_config: 'Any') -> 'bool'",
     "dynamic_context_parallel_enabled": "(model_config: 'Any') -> 'bool'",
-    "probe_global_batch_packing_support": "(scheduler: 'str', *, dynamic_cp: 'bool' = False) -> 'str | None'",
+    "probe_global_batch_packing_support": (
+        "(scheduler: 'str', *, dynamic_cp: 'bool' = False, model_config: 'PackingModelConfig | None' = None) "
+        "-> 'str | None'"
+    ),
     "wrap_data_iterator_for_global_batch_packing": (
         "(data_iterator: 'Any', model_config: 'PackingModelConfig', num_microbatches: 'int', "
         "pg_collection: 'ProcessGroupCollectionLike') -> 'WrapResult'"
@@ -194,6 +197,33 @@ def test_probe_reads_an_enum_member_as_its_value():
 
     by_member = packing.probe_global_batch_packing_support(Scheduler.DP_BALANCED)  # type: ignore[arg-type]
     assert by_member == packing.probe_global_batch_packing_support("dp_balanced")
+
+
+PROBED_CONFIGS = [
+    # fields of the model config given to the probe, what the answer names where the portable backend packs
+    # dp_balanced (None: it runs); the same settings fail the step (tests/test_bad_input.py)
+    ({}, None),
+    ({"context_parallel_size": 2}, None),
+    ({"cp_partition_mode": "contiguous"}, None),
+    ({"cp_partition_mode": "contiguous", "context_parallel_size": 2}, ["cp_partition_mode='contiguous'", "zigzag"]),
+    ({"pad_packed_seq_alignment": 8}, ["pad_packed_seq_alignment=8", "pad samples in the dataset"]),
+]
+
+
+@pytest.mark.skipif(packing.adapter().backend != "portable", reason="the installed pin runs dp_balanced natively")
+@pytest.mark.parametrize(("fields", "fragments"), PROBED_CONFIGS)
+def test_probe_with_the_model_config_answers_for_its_settings(fields, fragments):
+    config = SimpleNamespace(sequence_packing_scheduler="dp_balanced", **fields)
+    answer = packing.probe_global_batch_packing_support("dp_balanced", model_config=config)
+    assert answer is None if fragments is None else all(f in (answer or "") for f in fragments), answer
+
+
+@pytest.mark.parametrize(
+    ("config", "fragment"), [({"sequence_packing_scheduler": "dp_balanced"}, "model_config is a mapping (dict)")]
+)
+def test_probe_answers_for_a_model_config_that_is_not_one(config, fragment):
+    answer = packing.probe_global_batch_packing_support("dp_balanced", model_config=config)
+    assert answer is not None and fragment in answer
 
 
 def test_sample_errors():
