@@ -11,6 +11,7 @@ import enum
 import functools
 import importlib
 import importlib.metadata
+import importlib.util
 import inspect
 import json
 from collections.abc import Callable
@@ -39,6 +40,7 @@ __all__ = [
     "Capabilities",
     "detect",
     "route_prebuilder",
+    "shadowed_install",
 ]
 
 
@@ -179,11 +181,43 @@ def _version(core: ModuleType, commit: str | None) -> str:
     return version if commit else version.split("+", 1)[0]
 
 
-def _commit(core_dir: Path) -> str | None:
+def _installed_core_dir() -> Path | None:
+    """Where the installed megatron-core distribution keeps ``megatron/core`` (None: no such distribution)."""
     try:
-        direct_url = importlib.metadata.distribution("megatron-core").read_text("direct_url.json")
+        dist = importlib.metadata.distribution("megatron-core")
     except importlib.metadata.PackageNotFoundError:
-        direct_url = None
+        return None
+    return Path(str(dist.locate_file("megatron/core"))).resolve()
+
+
+def _located_core() -> str | None:
+    """The directory ``megatron.core`` would be imported from, without importing it (None: not found)."""
+    try:
+        spec = importlib.util.find_spec("megatron.core")
+    except Exception:  # noqa: BLE001 - a broken parent package: nothing located
+        return None
+    if spec is None or not spec.origin:
+        return None
+    return str(Path(spec.origin).resolve().parent)
+
+
+def shadowed_install() -> tuple[str, str, str] | None:
+    """``(version, installed path, imported path)`` where an installed megatron-core distribution is not what
+    ``import megatron.core`` finds (a checkout on ``PYTHONPATH`` shadows it), else None (also for an editable
+    install of that checkout)."""
+    importlib.invalidate_caches()
+    installed, located = _installed_core_dir(), _located_core()
+    if installed is None or located is None or not installed.is_dir() or installed == Path(located):
+        return None
+    return importlib.metadata.version("megatron-core"), str(installed), located
+
+
+def _commit(core_dir: Path) -> str | None:
+    """The commit of the imported Megatron-Core: the installed distribution's (``direct_url.json``) when that is
+    what was imported, else the checkout's ``HEAD``."""
+    direct_url = None
+    if _installed_core_dir() == core_dir:
+        direct_url = importlib.metadata.distribution("megatron-core").read_text("direct_url.json")
     if direct_url:
         commit = json.loads(direct_url).get("vcs_info", {}).get("commit_id")
         if commit:
@@ -279,9 +313,9 @@ def detect() -> Capabilities:
     except ModuleNotFoundError as exc:
         if exc.name in ("megatron", "megatron.core"):
             return _unavailable("megatron-core is not installed")
-        return _unavailable(_describe_error(exc))
+        return _unavailable(_describe_error(exc), path=_located_core())
     except Exception as exc:  # noqa: BLE001 - any import failure is reported, not raised
-        return _unavailable(_describe_error(exc))
+        return _unavailable(_describe_error(exc), path=_located_core())
     core_dir = Path(str(core.__file__)).resolve().parent
     commit = _commit(core_dir)
     version = _version(core, commit)
@@ -332,10 +366,3 @@ def detect() -> Capabilities:
         init_cp_keywords=tuple(k for k in CP_INIT_KEYWORDS if k in init_params),
         packing_config_fields=tuple(f.name for f in dataclasses.fields(mpc) if f.name in PACKING_CONFIG_FIELDS),
     )
-
-
-__all__ = [
-    "Capabilities",
-    "detect",
-    "route_prebuilder",
-]

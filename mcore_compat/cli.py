@@ -4,17 +4,20 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import mcore_compat
 from mcore_compat import pins
+from mcore_compat.capabilities import shadowed_install
 from mcore_compat.gitinfo import git_head, git_reachable
 
 __all__ = ["build_parser", "default_resolve", "main", "pin_main", "switch"]
@@ -55,8 +58,12 @@ def switch(
     run: Runner = subprocess.run,
     python: str = sys.executable,
     resolve: Callable[[pins.Pin, Mapping[str, str]], Path | None] = default_resolve,
+    shadowed: Callable[[], tuple[str, str, str] | None] = shadowed_install,
 ) -> int:
-    """``pin <name>``: install the pin into this environment with pip (never through a shell), then run the doctor."""
+    """``pin <name>``: install the pin into this environment with pip (never through a shell), then run the doctor.
+
+    Exit status 1 where a checkout on ``PYTHONPATH`` shadows what was installed (see :func:`shadowed_install`).
+    """
     pin = table.get(name)
     pins.check_python(pin)
     source = resolve(pin, environ)
@@ -69,7 +76,16 @@ def switch(
     package_root = str(Path(__file__).resolve().parent.parent)
     env = {**environ, "PYTHONPATH": os.pathsep.join(filter(None, (package_root, environ.get("PYTHONPATH"))))}
     doctor = run([python, "-m", "mcore_compat", "doctor"], check=False, env=env).returncode
-    return 0 if doctor in (0, 1) else doctor
+    if doctor not in (0, 1):
+        return doctor
+    if (found := shadowed()) is not None:
+        print(
+            f"mcore-compat pin: installed {pin.name!r} ({found[1]}), but megatron.core is imported from "
+            f"{found[2]}: remove that checkout from PYTHONPATH (or check out the pin's commit there)",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
 
 
 def pin_main(action: str) -> int:
@@ -80,7 +96,12 @@ def pin_main(action: str) -> int:
             print(pins.format_list(table))
             return 0
         if action == "status":
-            from mcore_compat import doctor
+            try:
+                from mcore_compat import doctor
+            except ImportError as exc:
+                if not _from_torch(exc):
+                    raise
+                return _no_torch(exc, as_json=False)
             from mcore_compat.capabilities import detect
 
             caps = detect()
@@ -90,6 +111,27 @@ def pin_main(action: str) -> int:
     except pins.PinError as exc:
         print(f"mcore-compat pin: {exc}", file=sys.stderr)
         return 2
+
+
+def _from_torch(exc: ImportError) -> bool:
+    """Whether importing torch failed: torch is missing, or its own import raised."""
+    if (exc.name or "").partition(".")[0] == "torch":
+        return True
+    frames = traceback.extract_tb(exc.__traceback__)
+    return any(Path(frame.filename).parent.name == "torch" for frame in frames)
+
+
+def _no_torch(exc: ImportError, as_json: bool) -> int:
+    """The doctor's answer where mcore-compat itself cannot be imported (torch missing or broken): nothing runs."""
+    reason = (
+        f"global-batch packing needs an importable torch: {type(exc).__name__}: {exc}; install the torch build for "
+        "this platform (pip install torch), then run the doctor again"
+    )
+    if as_json:
+        print(json.dumps({"runnable": False, "reason": reason, "versions": {"mcore_compat": mcore_compat.__version__}}))
+    else:
+        print(f"global-batch packing: NOT available\n  {reason}")
+    return 1
 
 
 def _add_plan(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -125,8 +167,12 @@ def _add_plan(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "doctor":
-        from mcore_compat import doctor
-
+        try:
+            from mcore_compat import doctor
+        except ImportError as exc:
+            if not _from_torch(exc):
+                raise
+            return _no_torch(exc, as_json=args.json)
         return doctor.run(as_json=args.json, verbose=args.verbose)
     if args.command == "pin":
         return pin_main(args.action)
@@ -140,9 +186,3 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return plan.main(args)
     raise AssertionError(args.command)
-
-
-__all__ = [
-    "build_parser",
-    "main",
-]

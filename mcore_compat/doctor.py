@@ -17,7 +17,7 @@ from typing import Any
 
 import mcore_compat
 from mcore_compat.adapters import DYNAMIC_CP_SCHEDULERS, adapter
-from mcore_compat.capabilities import Capabilities, detect
+from mcore_compat.capabilities import Capabilities, detect, shadowed_install
 from mcore_compat.pins import Pin, PinTable, load
 from mcore_compat.portable import SCHEDULERS as PORTABLE_SCHEDULERS
 
@@ -145,7 +145,13 @@ def report() -> dict[str, Any]:
         "capabilities": caps.as_dict(),
         "schedulers": rows,
         "runnable": any(row["runnable"] for row in rows),
+        "shadowed_install": _shadowed(),
     }
+
+
+def _shadowed() -> dict[str, str] | None:
+    found = shadowed_install()
+    return None if found is None else dict(zip(("version", "path", "imported_from"), found, strict=True))
 
 
 def _cell(value: Any) -> str:
@@ -191,12 +197,21 @@ def format_report(data: Mapping[str, Any], verbose: bool = False) -> str:
         if row["needs_model_support"]:
             answer = f"runs ({row['backend']} backend) {MODEL_SUPPORT_CALL}"
         lines.append(f"  {row['scheduler']:<{width}}  {mode:<10}  {answer}")
+    shadowed = data.get("shadowed_install")
+    if shadowed:
+        lines.append(
+            f"note: megatron.core is imported from {shadowed['imported_from']}, not from the "
+            f"installed megatron-core {shadowed['version']} ({shadowed['path']}): PYTHONPATH or a checkout shadows it, "
+            "so `mcore-compat pin` changes what is installed, not what is imported"
+        )
     found = data["versions"]
+    path = data["capabilities"].get("mcore_path")
+    mcore = found["megatron_core"] or (f"(version unknown, at {path})" if path else "(absent)")
     lines += [
         "",
         f"Megatron-Core generation: {data['generation'] or 'none'} (pin: {data['pin']})",
         _served(data),
-        f"versions: mcore-compat {found['mcore_compat']}, megatron-core {found['megatron_core'] or '(absent)'}, "
+        f"versions: mcore-compat {found['mcore_compat']}, megatron-core {mcore}, "
         f"torch {found['torch'] or '(absent)'}, Python {found['python']}",
     ]
     caps = data["capabilities"]
@@ -214,11 +229,3 @@ def run(as_json: bool, verbose: bool = False) -> int:
     data = report()
     print(json.dumps(data, indent=2) if as_json else format_report(data, verbose=verbose))
     return 0 if data["runnable"] else 1
-
-
-__all__ = [
-    "BASE_SCHEDULERS",
-    "format_report",
-    "report",
-    "run",
-]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import platform
 import shutil
@@ -71,6 +72,68 @@ def test_json_names_the_versions_and_no_pin(no_megatron_core: Path) -> None:
         "python": platform.python_version(),
     }
     assert report["pin"] == DIST_PIN
+
+
+@pytest.mark.parametrize(
+    "torch_init",
+    [
+        "raise ModuleNotFoundError(\"No module named 'torch'\", name='torch')",
+        "raise ImportError('libtorch_cpu.so: cannot open shared object file')",
+    ],
+    ids=["missing", "broken"],
+)
+def test_without_an_importable_torch_nothing_runs_and_the_doctor_says_why(tmp_path: Path, torch_init: str) -> None:
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text(torch_init + "\n")
+    text = run_doctor(tmp_path, as_json=False)
+    assert text.returncode == 1, text.stderr[-2000:]
+    assert text.stdout.startswith("global-batch packing: NOT available")
+    assert "needs an importable torch" in text.stdout and "pip install torch" in text.stdout
+    assert "Traceback" not in text.stderr
+    status, report = doctor_report(tmp_path)
+    assert status == 1 and report["runnable"] is False
+    assert "needs an importable torch" in report["reason"]
+
+
+def test_a_checkout_that_fails_to_import_is_named_not_the_installed_distribution(tmp_path: Path) -> None:
+    core = tmp_path / "megatron" / "core"
+    core.mkdir(parents=True)
+    (tmp_path / "megatron" / "__init__.py").write_text("")
+    (core / "__init__.py").write_text("import a_module_this_checkout_needs\n")
+    status, report = doctor_report(tmp_path)
+    assert status == 1
+    assert report["capabilities"]["mcore_path"] == str(core.resolve())
+    assert report["versions"]["megatron_core"] is None and report["pin"] == "custom"
+    assert "No module named 'a_module_this_checkout_needs'" in report["capabilities"]["import_error"]
+    text = run_doctor(tmp_path, as_json=False).stdout
+    assert f"megatron-core (version unknown, at {core.resolve()})" in text
+
+
+@pytest.mark.skipif(MCORE_SRC is None, reason=f"MCORE_SRC is unset: {CLONE_HINT}")
+def test_an_installed_commit_is_not_credited_to_the_checkout_that_shadows_it(tmp_path: Path) -> None:
+    dist = tmp_path / "megatron_core-0.20.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: megatron-core\nVersion: 0.20.0\n")
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    (dist / "direct_url.json").write_text(
+        json.dumps({"url": "file:///mlm", "vcs_info": {"vcs": "git", "commit_id": commit}})
+    )
+    _, report = doctor_report(tmp_path, Path(MCORE_SRC))
+    assert report["capabilities"]["mcore_path"] == str((Path(MCORE_SRC) / "megatron" / "core").resolve())
+    assert report["capabilities"]["mcore_commit"] != commit
+
+
+@pytest.mark.skipif(MCORE_SRC is None or DIST_VERSION is None, reason="needs MCORE_SRC and an installed megatron-core")
+def test_a_checkout_on_pythonpath_that_shadows_the_installed_release_is_noted() -> None:
+    assert MCORE_SRC is not None
+    core = (Path(MCORE_SRC) / "megatron" / "core").resolve()
+    _, report = doctor_report(Path(MCORE_SRC))
+    assert report["shadowed_install"]["version"] == DIST_VERSION
+    assert report["shadowed_install"]["imported_from"] == str(core)
+    text = run_doctor(Path(MCORE_SRC), as_json=False).stdout
+    assert f"note: megatron.core is imported from {core}, not from the installed megatron-core {DIST_VERSION}" in text
+    _, alone = doctor_report()
+    assert alone["shadowed_install"] is None
 
 
 def test_the_verdict_comes_first_and_the_record_only_when_verbose(no_megatron_core: Path) -> None:

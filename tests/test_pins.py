@@ -317,6 +317,7 @@ def test_switch_runs_pip_then_the_doctor_without_a_shell(doctor_code: int, expec
         run=run,
         python="/py",
         resolve=lambda p, e: Path(HOSTILE_PATH),
+        shadowed=lambda: None,
     )
     assert code == expected
     commands = [command for command, _ in run.calls]
@@ -326,6 +327,16 @@ def test_switch_runs_pip_then_the_doctor_without_a_shell(doctor_code: int, expec
     assert commands[2] == ["/py", "-m", "mcore_compat", "doctor"]
     assert all("shell" not in kwargs for _, kwargs in run.calls)
     assert str(ROOT) in run.calls[2][1]["env"]["PYTHONPATH"].split(os.pathsep)
+
+
+def test_switch_fails_where_a_checkout_shadows_the_installed_pin(capsys: pytest.CaptureFixture[str]) -> None:
+    run = Recorder([0, 0])
+    shadowing = ("0.16.1", "/venv/site-packages/megatron/core", "/src/mlm/megatron/core")
+    release = RELEASES[0].name
+    assert cli.switch(release, TABLE, environ={}, run=run, python="/py", shadowed=lambda: shadowing) == 1
+    error = capsys.readouterr().err
+    assert f"installed {release!r} (/venv/site-packages/megatron/core)" in error
+    assert "imported from /src/mlm/megatron/core" in error and "PYTHONPATH" in error
 
 
 def test_switch_stops_when_pip_fails() -> None:

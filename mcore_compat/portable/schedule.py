@@ -340,20 +340,3 @@ def routes(owner: Sequence[int], destination: Sequence[int], me: int, size: int)
         if target == me:
             incoming[source].append(sample)
     return Routes(tuple(map(tuple, outgoing)), tuple(map(tuple, incoming)))
-
-
-__all__ = [
-    "BinPlan",
-    "ReportedLengths",
-    "StepTable",
-    "first_fit_in_order",
-    "judge",
-    "PLANNERS",
-    "Planner",
-    "Routes",
-    "plan_balanced",
-    "plan_dp_balanced",
-    "routes",
-    "split_to_multiple",
-    "step_table",
-]
