@@ -227,7 +227,9 @@ def _check_thd_loss_mode(cfg: Any, layout: _Layout) -> None:
         raise _invalid(
             "model.pipeline_model_parallel_size",
             layout.pp,
-            "global-batch packing does not support pipeline parallelism; set model.pipeline_model_parallel_size=1",
+            "Megatron-Bridge's training loop, whose config this is, does not run global-batch packing with pipeline "
+            "parallelism; set model.pipeline_model_parallel_size=1 (a loop of your own may call "
+            "wrap_data_iterator_for_global_batch_packing on pipeline stages, with model.variable_seq_lengths=True)",
         )
 
 
