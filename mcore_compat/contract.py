@@ -183,7 +183,7 @@ def pull(data_iterator: Any, num_microbatches: int, rank: int) -> tuple[list[Any
             items.append(next(data_iterator))
         except StopIteration as exc:
             return items, record(Problem.EXHAUSTED, rank, a=index, b=num_microbatches), exc
-        except Exception as exc:  # noqa: BLE001 - reported on every rank, re-raised here as the cause
+        except BaseException as exc:  # noqa: BLE001 - also SystemExit, CancelledError: every rank raises together
             return items, record(Problem.ITERATOR_FAILED, rank, a=index), exc
     return items, OK, None
 
@@ -251,6 +251,11 @@ def _length(raw: Mapping[str, Any], key: str, rank: int, index: int) -> tuple[in
         )
     if value.dtype == torch.bool:
         return None, record(Problem.BAD_LENGTH, *where, a=key_index, b=LengthKind.BOOL, c=int(value.item()))
+    if value.is_quantized:
+        bits = _float_bits(float(value.dequantize().reshape(()).item()))
+        return None, record(
+            Problem.BAD_LENGTH, *where, a=key_index, b=LengthKind.FLOAT_TENSOR + dtype_index(value.dtype), c=bits
+        )
     return int(value.item()), OK
 
 
@@ -278,7 +283,7 @@ def _token_fields(
             return fields, record(Problem.MISSING_KEY, rank, index, a=key_index)
         if not isinstance(value, torch.Tensor):
             return fields, record(Problem.NOT_A_TENSOR, rank, index, a=key_index, b=value_type(value))
-        kind = _without_data(value)
+        kind = _without_data(value) or (TensorKind.SUBCLASS if type(value) is not torch.Tensor else None)
         if kind is not None:
             return fields, record(Problem.NO_DATA, rank, index, a=key_index, b=kind)
         if value.dtype != dtype:
@@ -458,7 +463,9 @@ def _bounds(raw: Mapping[str, Any], key: str, rank: int, index: int) -> tuple[li
     value = raw[key]
     key_index = SAMPLE_KEYS.index(key)
     flat = _flat(value) if isinstance(value, torch.Tensor) else None
-    if flat is None or flat.dtype.is_floating_point or flat.dtype == torch.bool or flat.numel() < 2:
+    if flat is None or flat.dtype.is_floating_point or flat.dtype == torch.bool or flat.is_quantized:
+        return None, record(Problem.BAD_CU_SEQLENS, rank, index, a=key_index, b=0)
+    if flat.numel() < 2:
         return None, record(Problem.BAD_CU_SEQLENS, rank, index, a=key_index, b=0)
     bounds = [int(v) for v in flat.tolist()]
     if bounds[0] != 0:
@@ -533,12 +540,15 @@ def check_items(items: list[Any], rank: int, limits: Limits) -> tuple[list[Sampl
     whether every sample is plain (:attr:`LocalBatch.plain`)."""
     raw_samples: list[Any] = []
     for index, item in enumerate(items):
-        if isinstance(item, dict):
-            raw_samples.append(item)
-        elif isinstance(item, list) and item and all(isinstance(m, dict) for m in item):
-            raw_samples.extend(item)
-        else:
-            return [], record(Problem.BAD_ITEM, rank, a=index, b=_item_kind(item)), None, False
+        try:
+            if isinstance(item, dict):
+                raw_samples.append(item)
+            elif isinstance(item, list) and item and all(isinstance(m, dict) for m in item):
+                raw_samples.extend(item)
+            else:
+                return [], record(Problem.BAD_ITEM, rank, a=index, b=_item_kind(item)), None, False
+        except Exception as exc:  # noqa: BLE001 - an item whose type or iteration raises (a lazy list, a proxy)
+            return [], record(Problem.CHECK_FAILED, rank, index, a=exception_index(exc)), exc, False
     samples = _leading_plain(raw_samples, limits)
     if len(samples) == len(raw_samples):
         return samples, OK, None, True

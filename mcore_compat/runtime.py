@@ -104,7 +104,12 @@ def probe_arguments(scheduler: Any, dynamic_cp: Any) -> tuple[str, bool] | str:
     return scheduler, dynamic_cp
 
 
-SWITCHES = ("dynamic_context_parallel", "hybrid_context_parallel", "sequence_parallel")
+SWITCHES = (
+    "dynamic_context_parallel",
+    "hybrid_context_parallel",
+    "sequence_parallel",
+    "pad_packed_seq_by_appending_dummy_seq",
+)
 """Config switches a packing step reads (``hybrid_context_parallel`` is the deprecated name of the first)."""
 
 
@@ -397,14 +402,21 @@ def step_limits(model_config: Any, pg_collection: Any, dynamic_cp: bool) -> Limi
 
 
 def _word(value: Any) -> int:
-    """One setting as an int64 word: a bool as 0/1, an int as itself, a string by CRC-32, None as 0, else -1."""
+    """One setting as an int64 word: a bool as 0/1, an int as itself, a string by CRC-32, None as 0, a pipeline
+    layout (``.layout``: per rank, per virtual stage, its layers) by the CRC-32 of its layer names, else -1."""
     if isinstance(value, bool):
         return int(value)
     if isinstance(value, int):
         return value if NOT_AN_INT < value < -NOT_AN_INT else NOT_AN_INT
     if isinstance(value, str):
         return zlib.crc32(value.encode())
-    return 0 if value is None else -1
+    if value is None:
+        return 0
+    stages = getattr(value, "layout", None)
+    if isinstance(stages, list | tuple):
+        names = [[[str(getattr(layer, "name", layer)) for layer in stage] for stage in rank] for rank in stages]
+        return zlib.crc32(repr(names).encode())
+    return -1
 
 
 def settings_words(model_config: Any) -> list[int]:

@@ -8,6 +8,7 @@ inside a collective would show up as a timeout of the whole group.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import functools
 import importlib
@@ -59,8 +60,9 @@ class BadInput:
     pg_drop: tuple[str, ...] = ()
     """Groups missing from the ``pg_collection`` that ``wrap`` gets on the ranks ``dp_rank`` names (``"*"``: None)."""
     fetch_from: str = "packed"
-    """What the fetches get: the iterator ``wrap`` returned, the ``"raw"`` sample iterator, ``"none"``, or a
-    ``"list"`` (with VPP the list of every stage's iterators, else ``[iterator]``)."""
+    """What the fetches get: the iterator ``wrap`` returned, the ``"raw"`` sample iterator, ``"none"``, a
+    ``"list"`` (with VPP the list of every stage's iterators, else ``[iterator]``), or on TP rank 0 a ``"broken"``
+    iterator whose ``next()`` raises."""
     fetch_config_none: bool = False
     """The fetches get None in place of the model config on the ranks ``dp_rank`` names (``wrap`` gets the config)."""
     elsewhere: str | None = None
@@ -104,6 +106,13 @@ def _prepacked_decreasing(sample: dict) -> dict:
     n = int(sample["padded_seq_len"])
     out["cu_seqlens"] = torch.tensor([0, n, n - 1 if n > 1 else 0, n], dtype=torch.int32)
     return out
+
+
+class _LazyList(list):
+    """A lazily loaded list of samples whose loading fails when it is iterated (a shard that cannot be read)."""
+
+    def __iter__(self) -> Any:
+        raise OSError("shard file missing")
 
 
 class _UndecodableSample(dict):
@@ -326,6 +335,17 @@ def mutate(name: str, item: Any, capacity: int, align: int) -> Any:
             **{k: v[:0] for k, v in s.items() if not k.endswith("seq_len")},
             "cu_seqlens": torch.tensor([0, 0], dtype=torch.int32),
         },
+        "uint64_padded_max": lambda: _lengths(s, padded=torch.tensor([-1]).to(torch.uint64)),
+        "uint64_original_2_63": lambda: _lengths(s, original=torch.tensor([1 << 63], dtype=torch.uint64)),
+        "quantized_padded": lambda: _lengths(
+            s, padded=torch.quantize_per_tensor(torch.tensor([float(n)]), 1.0, 0, torch.qint32)
+        ),
+        "lazy_list": lambda: _LazyList([s]),
+        "masked_loss_mask": lambda: {
+            **s,
+            "loss_mask": torch.masked.masked_tensor(s["loss_mask"], torch.ones(n, dtype=torch.bool)),
+        },
+        "subclass_labels": lambda: {**s, "labels": s["labels"].as_subclass(_Subclass)},
         "empty_prepacked_padded": lambda: {
             **{k: v[:0] for k, v in s.items() if not k.endswith("seq_len")},
             "cu_seqlens": torch.tensor([0, 0], dtype=torch.int32),
@@ -350,17 +370,18 @@ class _Mutated(Iterator[Any]):
 
 
 class _Raising(Iterator[Any]):
-    def __init__(self, source: Iterator[Any], index: int) -> None:
+    def __init__(self, source: Iterator[Any], index: int, error: BaseException | None = None) -> None:
         self._source, self._index, self._pulled = source, index, 0
+        self._error = KeyError("dataset bug") if error is None else error
 
     def __next__(self) -> Any:
         if self._pulled == self._index:
-            raise KeyError("dataset bug")
+            raise self._error
         self._pulled += 1
         return next(self._source)
 
 
-ITERATOR_MUTATIONS = ("exhausted", "raising", "none_iterator", "list", "aliased", "duplicated")
+ITERATOR_MUTATIONS = ("exhausted", "raising", "cancelled", "none_iterator", "list", "aliased", "duplicated")
 """Mutations of the data iterator itself; every other one is a :func:`mutate` of one item."""
 STAGE_MUTATIONS = ("stages_short", "stages_not_a_list", "stages_none", "stages_first_only", "stages_last_only")
 """Mutations of the list of per-virtual-stage iterators (with VPP): one entry short, one iterator in place of the
@@ -425,6 +446,8 @@ def _source(case: Case, bad: BadInput, pg: Any) -> Iterator[Any] | None:
         return iter([next(source) for _ in range(bad.index)])
     if bad.mutation == "raising":
         return _Raising(source, bad.index)
+    if bad.mutation == "cancelled":  # a BaseException, as an async prefetcher's CancelledError is
+        return _Raising(source, bad.index, asyncio.CancelledError())
     if bad.mutation == "none_iterator":
         return None
     if bad.mutation == "list":
@@ -537,6 +560,8 @@ def _run(bad: BadInput, case: Case, pg: Any, rank: int, virtual: int | None = No
         outcome.microbatches = count = int(count)
         if bad.fetch_from == "list":  # every fetch gets a list: all stages' iterators (VPP) or [the iterator]
             packed = [packed] * virtual if virtual is not None else [packed]
+        elif bad.fetch_from == "broken":  # on TP rank 0 an iterator whose next() raises (its DataLoader died)
+            packed = _Raising(iter(()), 0, RuntimeError("DataLoader worker exited")) if pg.tp.rank() == 0 else None
         elif bad.fetch_from != "packed":
             packed = source if bad.fetch_from == "raw" else None
         fetch_config = None if bad.fetch_config_none and bad.dp_rank in (None, pg.dp.rank()) else config

@@ -87,6 +87,20 @@ CASES: list[tuple[BadInput, str, tuple[str, ...]]] = [
     (BadInput("tokens on the meta device", "tokens_meta"), BAD, ("'tokens'", "meta-device", "dense tensor")),
     (BadInput("sparse loss_mask", "loss_mask_sparse", index=0), BAD, ("'loss_mask'", "not dense", "sample 0")),
     (BadInput("sample that fails to decode", "undecodable"), BAD, ("sample 1", "raised RuntimeError", "dict of")),
+    (BadInput("loss_mask a MaskedTensor", "masked_loss_mask"), BAD, ("'loss_mask'", "torch.Tensor subclass", "plain")),
+    (BadInput("labels a tensor subclass", "subclass_labels"), BAD, ("sample 1", "'labels'", "torch.Tensor subclass")),
+    (BadInput("an item that fails to load", "lazy_list"), BAD, ("DP rank 1", "sample 1", "could not be checked")),
+    (
+        BadInput("uint64 padded length 2**64 - 1", "uint64_padded_max"),
+        BAD,
+        ("DP rank 1", "sample 1", "padded length is 9223372036854775807"),
+    ),
+    (
+        BadInput("uint64 original length 2**63", "uint64_original_2_63"),
+        BAD,
+        ("DP rank 1", "sample 1", "original_seq_len=9223372036854775807"),
+    ),
+    (BadInput("quantized padded length", "quantized_padded"), BAD, ("'padded_seq_len'", "torch.qint32", "integer")),
     (
         BadInput("tokens differ on one CP sibling", "other_tokens", cp_rank=1, layouts=("1x2x2",)),
         BAD,
@@ -117,6 +131,11 @@ CASES: list[tuple[BadInput, str, tuple[str, ...]]] = [
     (BadInput("every rank exhausted", "exhausted", dp_rank=None, index=0), "StopIteration", ("exhausted on every",)),
     (BadInput("a list, not an iterator", "list", dp_rank=0), BAD, ("DP rank 0", "not an iterator", "iter(")),
     (BadInput("iterator raises", "raising", dp_rank=0, index=1), BAD, ("DP rank 0", "raised an exception", "fix")),
+    (
+        BadInput("iterator cancelled (a BaseException)", "cancelled", dp_rank=0, index=2),
+        BAD,
+        ("DP rank 0", "raised an exception while producing item 2"),
+    ),
     (BadInput("num_microbatches differs", num_microbatches=3), CONFIG, ("num_microbatches differs", "passed 3")),
     (BadInput("num_microbatches zero", num_microbatches=0, dp_rank=None), CONFIG, ("num_microbatches=0",)),
     (
@@ -451,6 +470,11 @@ CASES: list[tuple[BadInput, str, tuple[str, ...]]] = [
         BadInput("fetch from the consumed sample iterator", fetch_from="raw"),
         BAD,
         ("get_batch_for_global_batch_packing", "pass the", "wrap_data_iterator_for_global_batch_packing"),
+    ),
+    (
+        BadInput("fetch from an iterator that raises on TP rank 0", fetch_from="broken"),
+        BAD,
+        ("could not read the next packed microbatch on TP rank 0", "data_iterator raised", "wrap_data_iterator"),
     ),
     (
         BadInput("fetch from None on TP rank 0", fetch_from="none"),

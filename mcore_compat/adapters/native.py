@@ -52,7 +52,12 @@ _FETCH_REFUSED = 1 << 30
 """Added to a refused fetch's problem in the ``max_seqlen`` TP rank 0 hands Megatron-Core's fetch (no real bin
 holds a sequence of 2**30 tokens); the other TP ranks read it back from ``PackedSeqParams.max_seqlen_q`` (THD padding
 keeps the larger value; padding to ``thd_max_packed_sequences`` replaces it)."""
-_REFUSED_FETCHES = (Problem.PACKED_NO_ITERATOR, Problem.PACKED_RAW_ITERATOR, Problem.PACKED_NOT_AN_ITERATOR)
+_REFUSED_FETCHES = (
+    Problem.PACKED_NO_ITERATOR,
+    Problem.PACKED_RAW_ITERATOR,
+    Problem.PACKED_NOT_AN_ITERATOR,
+    Problem.PACKED_UNREADABLE,
+)
 """The refused fetches, by index: where Megatron-Core pads the microbatch (``pad_packed_seq_alignment`` set), the
 mark also rides in ``cu_seqlens``, which the padding only extends: its first entry becomes ``1 + index`` (every real
 ``cu_seqlens`` starts at 0). The rest stays, so the total (``cu_seqlens[-1]``, from which a stage without token
@@ -77,6 +82,8 @@ class NativeSchedulerAdapter(PackingAdapter):
         self._fetched: dict[int | None, int] = {}
         self._packed: list[Any] = []
         self._consumed: list[Any] = []
+        self._fetch_cause: BaseException | None = None
+        """What the iterator the last fetch pulled from raised on this rank (chained to the refusal)."""
         module = importlib.import_module(SCHEDULER_MODULE)
         self._wrap = getattr(module, WRAP_FUNCTION)
         self._fetch = getattr(module, FETCH_FUNCTION)
@@ -339,6 +346,7 @@ class NativeSchedulerAdapter(PackingAdapter):
             vp_stage, data_iterator if pg_collection.tp.rank() == 0 else None, pg_collection, model_config
         )
         batch = tuple(self._fetch(iterator, **kwargs))
+        raise_if_bad(problem, self._fetch_cause)
         self.check_fetched(batch, problem, model_config)
         return PackedBatch(*batch, *(None,) * (FETCH_ARITY - len(batch)))
 
@@ -373,6 +381,7 @@ class NativeSchedulerAdapter(PackingAdapter):
         microbatches, ``cu_seqlens`` marked as :data:`_REFUSED_FETCHES` says), which MCore's broadcast carries to
         them, and :meth:`check_fetched` raises the problem on every TP rank after it.
         """
+        self._fetch_cause = None
         if self._packed_count is None:
             return data_iterator, OK
         done = self._fetched.get(vp_stage, 0)
@@ -387,13 +396,18 @@ class NativeSchedulerAdapter(PackingAdapter):
         elif not is_iterator(data_iterator):
             problem = record(Problem.PACKED_NOT_AN_ITERATOR)
         else:
-            problem = OK
+            try:  # pulled here, so that an iterator that raises is refused on every TP rank
+                return iter([next(data_iterator)]), OK
+            except StopIteration:
+                return iter(()), OK  # Megatron-Core's fetch raises it, as it would have
+            except Exception as exc:  # noqa: BLE001 - the chained cause on this rank
+                problem, self._fetch_cause = record(Problem.PACKED_UNREADABLE), exc
         if problem is OK:
             return data_iterator, OK
         pads = _pads_microbatches(model_config)
         marked = self._marked_microbatch(vp_stage, problem, pads) if pg_collection.tp.size() > 1 else None
         if marked is None:
-            raise_if_bad(problem)
+            raise_if_bad(problem, self._fetch_cause)
         return iter([marked]), problem
 
     def _marked_microbatch(self, vp_stage: int | None, problem: list[int], pads: bool) -> dict[str, Any] | None:

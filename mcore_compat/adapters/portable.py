@@ -453,17 +453,21 @@ class PortableAdapter(PackingAdapter):
             return local_cp_size, 0 if group is None else group.rank()
 
         dynamic_step = self.dynamic_cp_enabled(model_config)
+        cause: BaseException | None = None
         if tp.rank() == 0:
             view: dict[str, torch.Tensor] = {}
             if any(data_iterator is it for it in self._consumed):
                 verdict = record(Problem.PACKED_RAW_ITERATOR)
             else:
-                verdict, view = self._next_local_view(data_iterator, keys, split, dynamic_step)
+                try:
+                    verdict, view = self._next_local_view(data_iterator, keys, split, dynamic_step)
+                except Exception as exc:  # noqa: BLE001 - not the packed iterator: the TP ranks raise together
+                    verdict, cause = record(Problem.PACKED_UNREADABLE), exc
             if tp.size() > 1:
                 exchange.broadcast_buffer(_encode_view(verdict, view, keys), tp, device)
         else:
             verdict, view = _decode_view(exchange.broadcast_buffer(None, tp, device), keys, split)
-        raise_if_bad(verdict)
+        raise_if_bad(verdict, cause)
         cu_seqlens_padded = view["cu_seqlens_padded"]
         params = {
             "qkv_format": "thd",

@@ -42,8 +42,12 @@ SETTINGS_FIELDS: tuple[str, ...] = (
     "pad_packed_seq_alignment",
     "thd_tail_padding_policy",
     "cp_partition_mode",
+    "pad_packed_seq_by_appending_dummy_seq",
+    "mtp_num_layers",
+    "pipeline_model_parallel_layout",
 )
-"""The model-config fields a packing step reads, compared between ranks in the agreement (by index)."""
+"""The model-config fields a packing step reads, compared between ranks in the agreement (by index): the MTP
+layout decides which pipeline stages load data."""
 _NUMERIC_SETTINGS = frozenset(
     {
         "max_seqlen_per_dp_cp_rank",
@@ -120,6 +124,7 @@ class Problem(enum.IntEnum):
     PACKED_NOT_AN_ITERATOR = 34
     STAGE_ITERATOR_NONE = 35
     STAGE_MISMATCH = 36
+    PACKED_UNREADABLE = 37
 
 
 class TensorKind(enum.IntEnum):
@@ -129,6 +134,7 @@ class TensorKind(enum.IntEnum):
     LAYOUT = 2
     NESTED = 3
     REQUIRES_GRAD = 4
+    SUBCLASS = 5
 
 
 REFUSAL_KINDS: tuple[type[PackingError], ...] = (PackingConfigError, UnsupportedPinError)
@@ -247,6 +253,7 @@ _TENSOR_KINDS: dict[int, str] = {
     TensorKind.LAYOUT: "a tensor that is not dense (its layout is not torch.strided, e.g. sparse)",
     TensorKind.NESTED: "a nested tensor",
     TensorKind.REQUIRES_GRAD: "a tensor that requires grad (part of an autograd graph)",
+    TensorKind.SUBCLASS: "a torch.Tensor subclass (e.g. a MaskedTensor), which packing cannot concatenate or send",
 }
 
 
@@ -371,7 +378,7 @@ def describe(record: Sequence[int]) -> str:
             return f"{where}: {_key(a)!r} is {what}; build samples from data, e.g. pass {_key(a)}.detach()"
         return (
             f"{where}: {_key(a)!r} is {what}; pass every field as a dense tensor with data "
-            "(torch.strided layout, on the CPU or the GPU)"
+            "(a plain torch.Tensor, torch.strided layout, on the CPU or the GPU)"
         )
     if problem is Problem.CHECK_FAILED:
         raised = CHECK_EXCEPTIONS[a].__name__ if 0 <= a < len(CHECK_EXCEPTIONS) else "an exception"
@@ -484,6 +491,12 @@ def describe(record: Sequence[int]) -> str:
             "the packed iterator yielded something other than a microbatch dict; pass the iterator returned by "
             "wrap_data_iterator_for_global_batch_packing"
         )
+    if problem is Problem.PACKED_UNREADABLE:
+        return (
+            "get_batch_for_global_batch_packing could not read the next packed microbatch on TP rank 0 (its "
+            "data_iterator raised; the chained traceback on that rank shows what); pass the iterator returned by "
+            "wrap_data_iterator_for_global_batch_packing"
+        )
     if problem is Problem.BAD_LAYOUT:
         return (
             f"pg_collection does not describe a DP x CP grid: the DP x CP group holds {a} ranks but the DP group "
@@ -492,9 +505,13 @@ def describe(record: Sequence[int]) -> str:
     return f"no problem (code {code})"
 
 
+_WORD_MIN, _WORD_MAX = -(1 << 63), (1 << 63) - 1
+
+
 def record(problem: Problem, rank: int = -1, sample: int = -1, a: int = 0, b: int = 0, c: int = 0) -> list[int]:
-    """Encode one problem."""
-    return [int(problem), rank, sample, a, b, c]
+    """Encode one problem; a value beyond a 64-bit word (a length of 2**64 - 1 in a uint64 tensor) is clamped
+    to the nearest word, so that the record always travels."""
+    return [int(problem), rank, sample, *(min(max(int(w), _WORD_MIN), _WORD_MAX) for w in (a, b, c))]
 
 
 OK: list[int] = record(Problem.NONE)
