@@ -472,7 +472,7 @@ CASES: list[tuple[BadInput, str, tuple[str, ...]]] = [
         ("get_batch_for_global_batch_packing", "pass the", "wrap_data_iterator_for_global_batch_packing"),
     ),
     (
-        BadInput("fetch from an iterator that raises on TP rank 0", fetch_from="broken"),
+        BadInput("fetch from an iterator that raises on TP rank 0", fetch_from="broken", layouts=("2x1x2",)),
         BAD,
         ("could not read the next packed microbatch on TP rank 0", "data_iterator raised", "wrap_data_iterator"),
     ),

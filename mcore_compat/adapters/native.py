@@ -379,7 +379,8 @@ class NativeSchedulerAdapter(PackingAdapter):
         the other TP ranks cannot tell, so the fetch still runs, on this stage's next packed microbatch with its
         ``max_seqlen`` set to :data:`_FETCH_REFUSED` plus the problem (and, where ``model_config`` pads packed
         microbatches, ``cu_seqlens`` marked as :data:`_REFUSED_FETCHES` says), which MCore's broadcast carries to
-        them, and :meth:`check_fetched` raises the problem on every TP rank after it.
+        them, and :meth:`check_fetched` raises the problem on every TP rank after it. With TP, an iterator whose
+        ``next()`` raises is refused the same way (TP rank 0 pulls the microbatch itself and hands it on).
         """
         self._fetch_cause = None
         if self._packed_count is None:
@@ -395,6 +396,8 @@ class NativeSchedulerAdapter(PackingAdapter):
             problem = record(Problem.PACKED_RAW_ITERATOR)
         elif not is_iterator(data_iterator):
             problem = record(Problem.PACKED_NOT_AN_ITERATOR)
+        elif pg_collection.tp.size() == 1:  # no TP rank waits on this one: the iterator goes to the fetch as given
+            return data_iterator, OK
         else:
             try:  # pulled here, so that an iterator that raises is refused on every TP rank
                 return iter([next(data_iterator)]), OK
