@@ -41,6 +41,7 @@ __all__ = [
     "require_groups",
     "require_pg_collection",
     "scheduler_name",
+    "scheduler_value",
     "settings_words",
     "standalone_mtp_stages",
     "step_limits",
@@ -58,7 +59,7 @@ def _is_positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-def _enum_value(value: Any) -> Any:
+def scheduler_value(value: Any) -> Any:
     """An enum member with a string value (``PackingSchedulerEnum.DP_BALANCED``) as that string; else ``value``."""
     return value.value if isinstance(value, enum.Enum) and isinstance(value.value, str) else value
 
@@ -69,7 +70,7 @@ def scheduler_name(model_config: Any, known: tuple[str, ...] = ()) -> str:
     With ``known``, the name must be one of them, spelt exactly.
     """
     configured = getattr(model_config, "sequence_packing_scheduler", None)
-    value = _enum_value(configured)
+    value = scheduler_value(configured)
     if value is not configured:
         model_config.sequence_packing_scheduler = value
     if not isinstance(value, str):
@@ -90,7 +91,7 @@ def scheduler_name(model_config: Any, known: tuple[str, ...] = ()) -> str:
 def probe_arguments(scheduler: Any, dynamic_cp: Any) -> tuple[str, bool] | str:
     """The probe's arguments as a scheduler name and a switch (a ``str`` enum member gives its value), or why
     they are neither: the probe answers for them as the runtime would read the config fields they stand for."""
-    scheduler = _enum_value(scheduler)
+    scheduler = scheduler_value(scheduler)
     if not isinstance(scheduler, str):
         return (
             f"sequence_packing_scheduler={scheduler!r} is not a scheduler name; pass a string such as "

@@ -65,8 +65,10 @@ _DEV_PIN_HINT = " " + pin_hint(pins_running("default_dynamic_cp", dynamic_cp=Tru
 
 
 def global_batch_packing_enabled(model_config: Any) -> bool:
-    """Whether a scheduler *name* is configured (a Mock or partial namespace never routes a step)."""
-    return isinstance(getattr(model_config, "sequence_packing_scheduler", None), str)
+    """Whether a scheduler *name* is configured: a string, or a ``str`` enum member such as main's
+    ``PackingSchedulerEnum`` (which the probe and ``wrap`` read as its value); a Mock or partial namespace never
+    routes a step."""
+    return isinstance(runtime.scheduler_value(getattr(model_config, "sequence_packing_scheduler", None)), str)
 
 
 def dynamic_context_parallel_enabled(model_config: Any) -> bool:

@@ -87,6 +87,7 @@ CONFIG_DEFAULTS: dict[str, Any] = {
     "ddp.average_in_collective": False,
     "ddp.use_megatron_fsdp": False,
     "dist.use_decentralized_pg": False,
+    "dist.eval_context_parallel_size": None,
 }
 _FLAGS = tuple(field for field, default in CONFIG_DEFAULTS.items() if default is False)
 _OTHER_PACKING_MODES = (
@@ -245,8 +246,25 @@ def _layout(cfg: Any) -> _Layout:
         tp=_positive_int(cfg, "model.tensor_model_parallel_size", "the tensor-parallel size") or 1,
         cp=_positive_int(cfg, "model.context_parallel_size", "the context-parallel size") or 1,
         pp=_positive_int(cfg, "model.pipeline_model_parallel_size", "the pipeline-parallel size") or 1,
-        dp=_positive_int(cfg, "model.data_parallel_size", "world size / (tp * cp * pp)"),
+        dp=_data_parallel_size(cfg),
     )
+
+
+def _data_parallel_size(cfg: Any) -> int | None:
+    """``model.data_parallel_size``, else the config container's ``data_parallel_size`` (Megatron-Bridge's
+    ``ConfigContainer`` computes it from the world size; a ``TransformerConfig`` has no such field)."""
+    dp = _positive_int(cfg, "model.data_parallel_size", "world size / (tp * cp * pp)")
+    if dp is not None:
+        return dp
+    try:
+        value = getattr(cfg, "data_parallel_size", None)
+    except Exception as exc:  # noqa: BLE001 - a config's own attribute access, named here
+        raise PackingConfigError(
+            f"data_parallel_size cannot be read ({type(exc).__name__}: {exc}): give it a value (None where unused)"
+        ) from exc
+    if value is not None and not _is_positive_int(value):
+        raise _invalid("data_parallel_size", value, "set it to a positive int (world size / (tp * cp * pp))")
+    return value
 
 
 def _dynamic_cp(cfg: Any) -> bool:
@@ -272,7 +290,7 @@ def _check_dynamic_cp(cfg: Any, layout: _Layout) -> int:
             "model.data_parallel_size",
             None,
             "dynamic CP draws its groups from the DP x CP pool; set model.data_parallel_size to "
-            "world size / (tp * cp * pp)",
+            "world size / (tp * cp * pp) (or the config container's data_parallel_size, as Megatron-Bridge does)",
         )
     pool = layout.dp * layout.cp
     if pool < 2 or not _is_power_of_two(pool):
@@ -385,6 +403,18 @@ def validate_global_batch_packing(cfg: Any) -> bool:
         tp=layout.tp,
         sequence_parallel=_get(cfg, "model.sequence_parallel"),
     )
+    eval_cp = _positive_int(cfg, "dist.eval_context_parallel_size", "the context-parallel size of evaluation")
+    if eval_cp is not None and eval_cp != layout.cp:  # samples are padded once, for training and evaluation
+        multiple = math.lcm(
+            multiple,
+            alignment_multiple(
+                dynamic_cp=dynamic_cp,
+                dp=layout.dp or 1,
+                cp=eval_cp,
+                tp=layout.tp,
+                sequence_parallel=_get(cfg, "model.sequence_parallel"),
+            ),
+        )
     if data_seq % multiple:
         raise _invalid(
             data_field,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -102,6 +103,15 @@ VALID = [
         4,
     ),
     ("cuda-graph-none", {"model.cuda_graph_impl": "none", "model.enable_cuda_graph": False}, "dp_balanced", 4),
+    ("eval-cp4", {"dist.eval_context_parallel_size": 4}, "dp_balanced", 8),
+    ("eval-cp-same", {"dist.eval_context_parallel_size": 2}, "dp_balanced", 4),
+    ("eval-cp1", {"dist.eval_context_parallel_size": 1}, "dp_balanced", 4),
+    (
+        "eval-cp4-tp4-sp",
+        {"dist.eval_context_parallel_size": 4, "model.tensor_model_parallel_size": 4, "model.sequence_parallel": True},
+        "dp_balanced",
+        16,
+    ),
     ("dynamic-dp2-cp2", DYNAMIC, "default_dynamic_cp", 8),
     (
         "dynamic-dp2-cp2-tp2-sp",
@@ -333,6 +343,7 @@ BAD = [
     ("cp-zero", {"model.context_parallel_size": 0}, ["model.context_parallel_size=0", "positive int"]),
     ("tp-str", {"model.tensor_model_parallel_size": "2"}, ["model.tensor_model_parallel_size='2'", "positive int"]),
     ("dp-negative", {"model.data_parallel_size": -2}, ["model.data_parallel_size=-2", "world size / (tp * cp * pp)"]),
+    ("eval-cp-zero", {"dist.eval_context_parallel_size": 0}, ["dist.eval_context_parallel_size=0", "positive int"]),
     # 11./12. explicit bin capacity, large enough for the longest sample (pool = cp)
     (
         "capacity-unset",
@@ -515,6 +526,19 @@ def test_thd_tail_padding_on_the_portable_backend_is_refused_and_nothing_written
     assert "pad samples in the dataset" in str(err.value)
     assert not hasattr(cfg.model, "sequence_packing_scheduler")
     assert not hasattr(cfg.dataset, "global_batch_packing_pad_to_multiple_of")
+
+
+def test_dynamic_cp_reads_the_data_parallel_size_of_the_config_container() -> None:
+    """Megatron-Bridge keeps the DP size on its ``ConfigContainer``; a ``TransformerConfig`` has none."""
+    cfg = make_cfg({**DYNAMIC, "model.data_parallel_size": DROP})
+    cfg.data_parallel_size = 2
+    assert validate_global_batch_packing(cfg) is True
+    assert cfg.dataset.global_batch_packing_pad_to_multiple_of == 8
+    for value, fragment in ((3, "to be a power of two"), (0, "data_parallel_size=0"), ("2", "data_parallel_size='2'")):
+        cfg = make_cfg({**DYNAMIC, "model.data_parallel_size": DROP})
+        cfg.data_parallel_size = value
+        with pytest.raises(PackingConfigError, match=re.escape(fragment)):
+            validate_global_batch_packing(cfg)
 
 
 @pytest.mark.skipif(adapter().backend != "portable", reason="the installed pin runs dp_balanced natively")

@@ -7,6 +7,7 @@ handed to the fake's entry points and what came back. Expectations come from
 
 from __future__ import annotations
 
+import enum
 import inspect
 import re
 from types import SimpleNamespace
@@ -387,6 +388,8 @@ def test_finalize_passes_none_through(fake_mcore: FakeMCore) -> None:
 
 # -- enabled flags -------------------------------------------------------------------------------
 
+_SCHEDULER_ENUM = enum.Enum("_SCHEDULER_ENUM", {"DP_BALANCED": "dp_balanced"})
+_COUNT_ENUM = enum.Enum("_COUNT_ENUM", {"ONE": 1})
 PACKING_FLAGS = [
     (mock.Mock(), False),
     (mock.MagicMock(), False),
@@ -394,6 +397,8 @@ PACKING_FLAGS = [
     (SimpleNamespace(sequence_packing_scheduler=None), False),
     (SimpleNamespace(sequence_packing_scheduler=True), False),
     (SimpleNamespace(sequence_packing_scheduler="dp_balanced"), True),
+    (SimpleNamespace(sequence_packing_scheduler=_SCHEDULER_ENUM.DP_BALANCED), True),  # as main's PackingSchedulerEnum
+    (SimpleNamespace(sequence_packing_scheduler=_COUNT_ENUM.ONE), False),
 ]
 DYNAMIC_FLAGS = [
     (mock.Mock(), False),
