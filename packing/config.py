@@ -74,6 +74,7 @@ CONFIG_DEFAULTS: dict[str, Any] = {
     "model.seq_length": None,
     "model.calculate_per_token_loss": False,
     "model.cuda_graph_impl": "none",
+    "model.vision_cuda_graph_impl": "none",
     "model.enable_cuda_graph": False,
     "model.is_hybrid_model": False,
     "dataset.enable_global_batch_packing": False,
@@ -218,12 +219,13 @@ def _check_thd_loss_mode(cfg: Any, layout: _Layout) -> None:
             _get(cfg, "model.enable_cuda_graph"),
             "CUDA graphs need static shapes and packed microbatches vary; set model.enable_cuda_graph=False",
         )
-    if _get(cfg, "model.cuda_graph_impl") not in (None, "none"):
-        raise _invalid(
-            "model.cuda_graph_impl",
-            _get(cfg, "model.cuda_graph_impl"),
-            "CUDA graphs need static shapes and packed microbatches vary; set model.cuda_graph_impl='none'",
-        )
+    for field in ("model.cuda_graph_impl", "model.vision_cuda_graph_impl"):
+        if _get(cfg, field) not in (None, "none"):
+            raise _invalid(
+                field,
+                _get(cfg, field),
+                f"CUDA graphs need static shapes and packed microbatches vary; set {field}='none'",
+            )
     if layout.pp > 1:
         raise _invalid(
             "model.pipeline_model_parallel_size",
@@ -237,6 +239,8 @@ def _check_thd_loss_mode(cfg: Any, layout: _Layout) -> None:
 def _check_unsupported_features(cfg: Any) -> None:
     for field, feature, off in _UNSUPPORTED_FEATURES:
         value = _get(cfg, field)
+        if field == _UNSUPPORTED_FEATURES[0][0] and type(value) is int and value == 1:
+            continue  # one virtual stage is none (Megatron-Bridge accepts it)
         if value is not None and value is not off:  # 0 is not False here: the runtime reads it as set
             raise _invalid(field, value, f"global-batch packing does not support {feature}; set {field}={off!r}")
 

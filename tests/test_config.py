@@ -103,6 +103,8 @@ VALID = [
         4,
     ),
     ("cuda-graph-none", {"model.cuda_graph_impl": "none", "model.enable_cuda_graph": False}, "dp_balanced", 4),
+    ("one-virtual-stage", {"model.virtual_pipeline_model_parallel_size": 1}, "dp_balanced", 4),
+    ("vision-graphs-none", {"model.vision_cuda_graph_impl": "none"}, "dp_balanced", 4),
     ("eval-cp4", {"dist.eval_context_parallel_size": 4}, "dp_balanced", 8),
     ("eval-cp-same", {"dist.eval_context_parallel_size": 2}, "dp_balanced", 4),
     ("eval-cp1", {"dist.eval_context_parallel_size": 1}, "dp_balanced", 4),
@@ -344,6 +346,16 @@ BAD = [
     ("tp-str", {"model.tensor_model_parallel_size": "2"}, ["model.tensor_model_parallel_size='2'", "positive int"]),
     ("dp-negative", {"model.data_parallel_size": -2}, ["model.data_parallel_size=-2", "world size / (tp * cp * pp)"]),
     ("eval-cp-zero", {"dist.eval_context_parallel_size": 0}, ["dist.eval_context_parallel_size=0", "positive int"]),
+    (
+        "vision-graphs",
+        {"model.vision_cuda_graph_impl": "transformer_engine"},
+        ["model.vision_cuda_graph_impl='transformer_engine'", "set model.vision_cuda_graph_impl='none'"],
+    ),
+    (
+        "one-virtual-stage-as-bool",
+        {"model.virtual_pipeline_model_parallel_size": True},
+        ["model.virtual_pipeline_model_parallel_size=True"],
+    ),
     # 11./12. explicit bin capacity, large enough for the longest sample (pool = cp)
     (
         "capacity-unset",
