@@ -346,7 +346,6 @@ class NativeSchedulerAdapter(PackingAdapter):
             vp_stage, data_iterator if pg_collection.tp.rank() == 0 else None, pg_collection, model_config
         )
         batch = tuple(self._fetch(iterator, **kwargs))
-        raise_if_bad(problem, self._fetch_cause)
         self.check_fetched(batch, problem, model_config)
         return PackedBatch(*batch, *(None,) * (FETCH_ARITY - len(batch)))
 
@@ -432,11 +431,10 @@ class NativeSchedulerAdapter(PackingAdapter):
             marked["cu_seqlens"][0] = 1 + _REFUSED_FETCHES.index(Problem(int(problem[0])))
         return marked
 
-    @staticmethod
-    def check_fetched(batch: tuple[Any, ...], problem: list[int], model_config: Any) -> None:
-        """After Megatron-Core's fetch: raise this rank's own problem, or the one its TP rank 0 marked the
-        microbatch with (see :meth:`fetch_source`)."""
-        raise_if_bad(problem)
+    def check_fetched(self, batch: tuple[Any, ...], problem: list[int], model_config: Any) -> None:
+        """After Megatron-Core's fetch: raise this rank's own problem (chained to what its iterator raised), or the
+        one its TP rank 0 marked the microbatch with (see :meth:`fetch_source`)."""
+        raise_if_bad(problem, self._fetch_cause)
         params = batch[5] if len(batch) > 5 else None
         marked = int(getattr(params, "max_seqlen_q", None) or 0) - _FETCH_REFUSED
         if marked in _REFUSED_FETCHES:
