@@ -149,14 +149,15 @@ def probe_global_batch_packing_support(
     arguments = runtime.probe_arguments(scheduler, dynamic_cp)
     if isinstance(arguments, str):
         return arguments
+    if model_config is not None:  # the config first, then the pin (as a step reports them)
+        try:
+            runtime.check_config_object(model_config)
+        except PackingConfigError as error:
+            return str(error)
     chosen = adapter()
     reason = chosen.probe(arguments[0], dynamic_cp=arguments[1])
     if reason is not None or model_config is None:
         return reason
-    try:
-        runtime.check_config_object(model_config)
-    except PackingConfigError as error:
-        return str(error)
     return chosen.config_refusal(model_config, arguments[0])
 
 
