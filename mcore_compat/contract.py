@@ -352,10 +352,33 @@ def _wrong_position(ids: torch.Tensor, start: int, original: int) -> int | None:
     return int(torch.nonzero(positions != expected)[0, 0])
 
 
+_FLOAT32_BYTES = torch.float32.itemsize
+_cpu_zeros = torch.zeros(1 << 16, dtype=torch.float32)
+"""The CPU zeros ``memcmp`` compares ``loss_mask`` padding with (replaced by a longer one when padding outgrows it)."""
+
+
+def _loss_on_padding(mask: torch.Tensor, start: int, end: int) -> int | None:
+    """The first offset from ``start`` at which ``mask[start:end]`` (float32 ``loss_mask`` padding) is not 0, or None.
+
+    As :func:`_wrong_position`: a contiguous window of a plain CPU tensor is compared in place with zeros first
+    (-0.0 and other devices, with torch)."""
+    global _cpu_zeros
+    if end <= start:
+        return None
+    if _memcmp is not None and type(mask) is torch.Tensor and mask.is_cpu and mask.is_contiguous():
+        if _cpu_zeros.numel() < end - start:
+            _cpu_zeros = torch.zeros(end - start, dtype=torch.float32)
+        if not _memcmp(mask.data_ptr() + start * _FLOAT32_BYTES, _cpu_zeros.data_ptr(), (end - start) * _FLOAT32_BYTES):
+            return None
+    loss = torch.nonzero(mask[start:end])
+    return int(loss[0, 0]) if loss.numel() else None
+
+
 def _sequence(
     fields: dict[str, torch.Tensor], start: int, original: int, padded: int, rank: int, index: int, limits: Limits
 ) -> tuple[Sample | None, list[int]]:
-    """Check one sequence's lengths and positions; ``fields`` hold the whole sample, it starts at ``start``."""
+    """Check one sequence's lengths, positions and padding (no loss on it); ``fields`` hold the whole sample, it
+    starts at ``start``."""
     if padded < 1:
         return None, record(Problem.EMPTY_SAMPLE, rank, index, a=padded)
     if not 1 <= original <= padded:
@@ -368,6 +391,11 @@ def _sequence(
     at = _wrong_position(whole_ids, start, original)
     if at is not None:
         return None, record(Problem.BAD_POSITION_IDS, rank, index, a=at, b=int(whole_ids[start + at]), c=original)
+    mask = fields["loss_mask"]
+    at = _loss_on_padding(mask, start + original, start + padded)
+    if at is not None:
+        at += start + original
+        return None, record(Problem.LOSS_ON_PADDING, rank, index, a=at, b=_float_bits(float(mask[at])), c=original)
     whole = start == 0 and whole_ids.numel() == padded  # every field has the same length (checked before)
     sliced = fields if whole else {k: v[start : start + padded] for k, v in fields.items()}
     return Sample(sliced, original, padded), OK
@@ -436,6 +464,8 @@ def _plain_unpacked(raw: dict[str, Any], limits: Limits) -> Sample | None:
             return None
         fields[key] = value
     if _wrong_position(fields["position_ids"], 0, original) is not None:
+        return None
+    if original < padded and _loss_on_padding(fields["loss_mask"], original, padded) is not None:
         return None
     return Sample(fields, original, padded)
 

@@ -89,6 +89,7 @@ CONFIG_DEFAULTS: dict[str, Any] = {
     "ddp.use_megatron_fsdp": False,
     "dist.use_decentralized_pg": False,
     "dist.eval_context_parallel_size": None,
+    "data_parallel_size": None,
 }
 _FLAGS = tuple(field for field, default in CONFIG_DEFAULTS.items() if default is False)
 _OTHER_PACKING_MODES = (
@@ -97,10 +98,12 @@ _OTHER_PACKING_MODES = (
     ("dataset.packing_buffer_size", "Energon", None),
 )
 _UNSUPPORTED_FEATURES = (
-    ("model.virtual_pipeline_model_parallel_size", "virtual pipeline parallelism", None),
-    ("model.is_hybrid_model", "Mamba hybrid models", False),
-    ("ddp.use_megatron_fsdp", "Megatron-FSDP", False),
+    ("model.virtual_pipeline_model_parallel_size", "virtual pipeline parallelism", None, 1),
+    ("model.is_hybrid_model", "Mamba hybrid models", False, None),
+    ("ddp.use_megatron_fsdp", "Megatron-FSDP", False, None),
 )
+"""Per field: the feature it turns on, the value that sets it off, and an int that also means off (one virtual
+stage is none; Megatron-Bridge accepts it)."""
 
 
 class _Layout(NamedTuple):
@@ -111,9 +114,11 @@ class _Layout(NamedTuple):
 
 
 def _get(cfg: Any, field: str) -> Any:
-    part, name = field.split(".")
+    """``cfg.<part>.<name>`` (or ``cfg.<name>`` for an undotted field), its default where absent."""
+    *part, name = field.split(".")
+    owner = getattr(cfg, part[0], None) if part else cfg
     try:
-        return getattr(getattr(cfg, part, None), name, CONFIG_DEFAULTS[field])
+        return getattr(owner, name, CONFIG_DEFAULTS[field])
     except Exception as exc:  # noqa: BLE001 - a config's own attribute access (OmegaConf's ??? value), named here
         raise PackingConfigError(
             f"{field} cannot be read ({type(exc).__name__}: {exc}): give {field} a value (None where unused)"
@@ -237,10 +242,10 @@ def _check_thd_loss_mode(cfg: Any, layout: _Layout) -> None:
 
 
 def _check_unsupported_features(cfg: Any) -> None:
-    for field, feature, off in _UNSUPPORTED_FEATURES:
+    for field, feature, off, also_off in _UNSUPPORTED_FEATURES:
         value = _get(cfg, field)
-        if field == _UNSUPPORTED_FEATURES[0][0] and type(value) is int and value == 1:
-            continue  # one virtual stage is none (Megatron-Bridge accepts it)
+        if also_off is not None and type(value) is int and value == also_off:
+            continue
         if value is not None and value is not off:  # 0 is not False here: the runtime reads it as set
             raise _invalid(field, value, f"global-batch packing does not support {feature}; set {field}={off!r}")
 
@@ -257,18 +262,9 @@ def _layout(cfg: Any) -> _Layout:
 def _data_parallel_size(cfg: Any) -> int | None:
     """``model.data_parallel_size``, else the config container's ``data_parallel_size`` (Megatron-Bridge's
     ``ConfigContainer`` computes it from the world size; a ``TransformerConfig`` has no such field)."""
-    dp = _positive_int(cfg, "model.data_parallel_size", "world size / (tp * cp * pp)")
-    if dp is not None:
-        return dp
-    try:
-        value = getattr(cfg, "data_parallel_size", None)
-    except Exception as exc:  # noqa: BLE001 - a config's own attribute access, named here
-        raise PackingConfigError(
-            f"data_parallel_size cannot be read ({type(exc).__name__}: {exc}): give it a value (None where unused)"
-        ) from exc
-    if value is not None and not _is_positive_int(value):
-        raise _invalid("data_parallel_size", value, "set it to a positive int (world size / (tp * cp * pp))")
-    return value
+    what = "world size / (tp * cp * pp)"
+    dp = _positive_int(cfg, "model.data_parallel_size", what)
+    return dp if dp is not None else _positive_int(cfg, "data_parallel_size", what)
 
 
 def _dynamic_cp(cfg: Any) -> bool:
@@ -400,25 +396,16 @@ def validate_global_batch_packing(cfg: Any) -> bool:
     seq_length, (data_field, data_seq) = _seq_lengths(cfg)
     _check_capacity(cfg, pool, pool_name, seq_length)
 
-    multiple = alignment_multiple(
-        dynamic_cp=dynamic_cp,
-        dp=layout.dp or 1,
-        cp=layout.cp,
-        tp=layout.tp,
-        sequence_parallel=_get(cfg, "model.sequence_parallel"),
-    )
     eval_cp = _positive_int(cfg, "dist.eval_context_parallel_size", "the context-parallel size of evaluation")
-    if eval_cp is not None and eval_cp != layout.cp:  # samples are padded once, for training and evaluation
-        multiple = math.lcm(
-            multiple,
+    sequence_parallel = _get(cfg, "model.sequence_parallel")
+    multiple = math.lcm(  # samples are padded once, for training and evaluation
+        *(
             alignment_multiple(
-                dynamic_cp=dynamic_cp,
-                dp=layout.dp or 1,
-                cp=eval_cp,
-                tp=layout.tp,
-                sequence_parallel=_get(cfg, "model.sequence_parallel"),
-            ),
+                dynamic_cp=dynamic_cp, dp=layout.dp or 1, cp=cp, tp=layout.tp, sequence_parallel=sequence_parallel
+            )
+            for cp in {layout.cp, eval_cp or layout.cp}
         )
+    )
     if data_seq % multiple:
         raise _invalid(
             data_field,

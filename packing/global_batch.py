@@ -181,6 +181,14 @@ def validate_unpacked_sample(sample: Mapping[str, Any], *, pad_to_multiple_of: i
         )
     if not torch.equal(sample["position_ids"].cpu(), torch.arange(length, dtype=torch.int64)):
         raise BadSampleError(f"sample['position_ids'] is not 0..{length - 1}: set it to torch.arange(L)")
+    loss = torch.nonzero(sample["loss_mask"][original:])
+    if loss.numel():
+        at = original + int(loss[0, 0])
+        raise BadSampleError(
+            f"sample['loss_mask'][{at}]={float(sample['loss_mask'][at])!r} lies in the padding (past "
+            f"original_seq_len={original}), where Megatron-Core trains on nothing: put the real tokens first (right "
+            f"padding) and set loss_mask to 0 on padding; {_BUILD_HINT}"
+        )
     if pad_to_multiple_of is not None and length % _positive_int("pad_to_multiple_of", pad_to_multiple_of):
         raise BadSampleError(
             f"sample['padded_seq_len']=[{padded}] is not a multiple of {pad_to_multiple_of}: pad every sample "

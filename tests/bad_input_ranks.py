@@ -101,6 +101,19 @@ def _oversize(sample: dict, capacity: int) -> dict:
     return long
 
 
+def _left_padded(sample: dict, align: int) -> dict:
+    """A sample padded on the left: one pad slot first, then its real tokens (and their loss), to an aligned length."""
+    padded = max(2, align)
+    out = dict(sample)
+    out["tokens"] = torch.cat((torch.zeros(1, dtype=torch.int64), torch.arange(1, padded, dtype=torch.int64)))
+    out["labels"] = out["tokens"] + 1
+    out["loss_mask"] = torch.cat((torch.zeros(1), torch.ones(padded - 1)))
+    out["position_ids"] = torch.arange(padded, dtype=torch.int64)
+    out["original_seq_len"] = torch.tensor([padded - 1], dtype=torch.int32)
+    out["padded_seq_len"] = torch.tensor([padded], dtype=torch.int32)
+    return out
+
+
 def _prepacked_decreasing(sample: dict) -> dict:
     out = {k: v for k, v in sample.items() if not k.endswith("seq_len")}
     n = int(sample["padded_seq_len"])
@@ -291,6 +304,7 @@ def mutate(name: str, item: Any, capacity: int, align: int) -> Any:
         "one_token_unmasked": lambda: {**s, "loss_mask": torch.cat((1 - s["loss_mask"][:1], s["loss_mask"][1:]))},
         "zero_positions": lambda: {**s, "position_ids": torch.zeros_like(s["position_ids"])},
         "shifted_positions": lambda: {**s, "position_ids": s["position_ids"] + 1},
+        "left_padded": lambda: _left_padded(s, align),
         "both_forms": lambda: {**s, "cu_seqlens": torch.tensor([0, n], dtype=torch.int32)},
         "cu_decreasing": lambda: _prepacked_decreasing(s),
         "prepacked": lambda: prepack([s]),

@@ -113,6 +113,7 @@ CASES: list[tuple[BadInput, str, tuple[str, ...]]] = [
     ),
     (BadInput("zero position_ids", "zero_positions"), BAD, ("position_ids[1]=0", "torch.arange")),
     (BadInput("shifted position_ids", "shifted_positions", dp_rank=0), BAD, ("position_ids[0]=1", "DP rank 0")),
+    (BadInput("left-padded sample", "left_padded"), BAD, ("sample 1", "loss_mask[", "in the sequence's padding")),
     (BadInput("both forms", "both_forms"), BAD, ("mixes sample forms", "exactly one")),
     (BadInput("forms mixed within a rank", "prepacked", index=2), BAD, ("sample 2", "mixes sample forms")),
     (BadInput("pre-packed on one rank, unpacked on the others", "prepacked", index=-1), "ok", ()),

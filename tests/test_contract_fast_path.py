@@ -80,3 +80,20 @@ def test_sequences_longer_than_the_counting_tensor_are_compared_in_place():
     sample["position_ids"] = torch.cat([torch.arange(length - 1), torch.tensor([0])])
     assert contract._plain_unpacked(sample, Limits()) is None
     assert contract._wrong_position(sample["position_ids"], 0, length) == length - 1
+
+
+def test_padding_longer_than_the_zeros_is_compared_in_place():
+    padding = contract._cpu_zeros.numel() + 8
+    length = padding + 2
+    sample = {
+        "tokens": torch.zeros(length, dtype=torch.int64),
+        "labels": torch.zeros(length, dtype=torch.int64),
+        "loss_mask": torch.cat([torch.ones(2), torch.zeros(padding)]),
+        "position_ids": torch.arange(length),
+        "original_seq_len": torch.tensor([2], dtype=torch.int32),
+        "padded_seq_len": torch.tensor([length], dtype=torch.int32),
+    }
+    assert contract._plain_unpacked(sample, Limits()) is not None
+    sample["loss_mask"][-1] = 1.0
+    assert contract._plain_unpacked(sample, Limits()) is None
+    assert contract._loss_on_padding(sample["loss_mask"], 2, length) == padding - 1

@@ -315,6 +315,12 @@ BAD_SAMPLES = [
         ["sample['position_ids'] is not 0..7", "torch.arange(L)"],
     ),
     (
+        "loss-on-padding",
+        lambda s: _replace("loss_mask", s["loss_mask"].flip(0))(s),
+        None,
+        ["sample['loss_mask'][5]=1.0 lies in the padding", "original_seq_len=5", "right padding"],
+    ),
+    (
         "not-aligned",
         lambda s: s,
         16,

@@ -125,6 +125,7 @@ class Problem(enum.IntEnum):
     STAGE_ITERATOR_NONE = 35
     STAGE_MISMATCH = 36
     PACKED_UNREADABLE = 37
+    LOSS_ON_PADDING = 38
 
 
 class TensorKind(enum.IntEnum):
@@ -341,6 +342,13 @@ def describe(record: Sequence[int]) -> str:
         return (
             f"{where}: position_ids[{a}]={b} but a sequence's real tokens must have position_ids 0..{c - 1}; "
             "set position_ids to torch.arange(L) (per sequence in pre-packed samples)"
+        )
+    if problem is Problem.LOSS_ON_PADDING:
+        return (
+            f"{where}: loss_mask[{a}]={_float(b)} lies in the sequence's padding (past original_seq_len={c}), where "
+            "Megatron-Core trains on nothing (it masks padding out, so real tokens there are silently dropped); put "
+            "the real tokens first (right padding) and set loss_mask to 0 on padding, as "
+            "packing.global_batch.build_unpacked_sequence_sample does"
         )
     if problem is Problem.MICROBATCH_MISMATCH:
         return (

@@ -246,6 +246,67 @@ def test_position_ids_verdicts_do_not_depend_on_how_they_are_compared(items, exp
     assert read_step(iter(items), len(items), rank=0, cp_size=1).verdict == expected
 
 
+def _bits(value: float) -> int:
+    return int(torch.tensor([value], dtype=torch.float64).view(torch.int64))
+
+
+def _left_padded(length: int, padded: int) -> dict:
+    """Real tokens last: the loss falls on the slots past original_seq_len (Megatron-Core drops them)."""
+    return sample(length, padded, loss_mask=(torch.arange(padded) >= padded - length).float())
+
+
+LOSS_CASES = [
+    ([sample(3, 8)], OK),
+    ([sample(3, 8, loss_mask=torch.tensor([1, 1, 1, -0.0, 0, 0, 0, 0]))], OK),  # -0.0 carries no loss
+    ([sample(3, 8, loss_mask=torch.zeros(8))], OK),  # a prompt-only sample: no loss anywhere
+    ([sample(3, 8, loss_mask=torch.stack([(torch.arange(8) < 3).float(), torch.ones(8)], 1)[:, 0])], OK),  # strided
+    ([sample(4), _left_padded(3, 8)], record(Problem.LOSS_ON_PADDING, 0, 1, a=5, b=_bits(1.0), c=3)),
+    (
+        [sample(3, 8, loss_mask=torch.tensor([1, 1, 1, 0, 0, 0, 0, 0.5]))],
+        record(Problem.LOSS_ON_PADDING, 0, 0, a=7, b=_bits(0.5), c=3),
+    ),
+    (
+        [sample(3, 4, loss_mask=torch.tensor([1, 1, 1, float("nan")]))],
+        record(Problem.LOSS_ON_PADDING, 0, 0, a=3, b=_bits(float("nan")), c=3),
+    ),
+    (
+        [sample(2, 4, loss_mask=torch.tensor([[1.0, 9], [1, 9], [0, 9], [-2, 9]]).T[0])],  # strided
+        record(Problem.LOSS_ON_PADDING, 0, 0, a=3, b=_bits(-2.0), c=2),
+    ),
+    (
+        [
+            {
+                **prepacked([0, 4, 8]),
+                "cu_seqlens": torch.tensor([0, 4, 6], dtype=torch.int32),
+                "cu_seqlens_padded": torch.tensor([0, 4, 8], dtype=torch.int32),
+                "position_ids": torch.tensor([0, 1, 2, 3, 0, 1, 2, 3]),
+            }
+        ],
+        record(Problem.LOSS_ON_PADDING, 0, 0, a=6, b=_bits(1.0), c=2),
+    ),
+]
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["memcmp", "torch"])
+@pytest.mark.parametrize(("items", "expected"), LOSS_CASES)
+def test_loss_on_padding_is_refused_however_it_is_compared(items, expected, in_place, monkeypatch):
+    """A non-zero loss_mask past a sequence's real length (left padding, a mask of ones) is refused: Megatron-Core
+    masks padding out, so those tokens would be dropped without a word. Same verdicts in place and with torch."""
+    if not in_place:
+        monkeypatch.setattr(contract, "_memcmp", None)
+    verdict = read_step(iter(items), len(items), rank=0, cp_size=1).verdict
+    if verdict[0] == Problem.LOSS_ON_PADDING and expected[0] == Problem.LOSS_ON_PADDING and expected[4] != verdict[4]:
+        assert str(PortablePackingError(verdict)) == str(PortablePackingError(expected))  # NaN payloads differ
+    else:
+        assert verdict == expected
+
+
+def test_loss_on_padding_names_index_value_and_fix():
+    verdict = read_step(iter([_left_padded(2, 6)]), 1, rank=1, cp_size=1).verdict
+    message = str(PortablePackingError(verdict))
+    assert "loss_mask[4]=1.0" in message and "original_seq_len=2" in message and "right padding" in message
+
+
 _ITERATOR = iter(())
 STAGE_CASES = [
     (_ITERATOR, None, (_ITERATOR, None, OK)),
