@@ -12,6 +12,7 @@ import asyncio
 import collections
 import functools
 import importlib
+import itertools
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -99,6 +100,27 @@ def _oversize(sample: dict, capacity: int) -> dict:
     long["loss_mask"] = torch.ones(capacity)
     long["original_seq_len"] = long["padded_seq_len"] = torch.tensor([capacity], dtype=torch.int32)
     return long
+
+
+def _collated_batches() -> Iterator[dict]:
+    """Batches as a fixed-shape SFT collate makes them: ``[1, L]`` fields with ``cu_seqlens``, no padded bounds."""
+    while True:
+        yield {
+            "tokens": torch.arange(8).reshape(1, 8),
+            "labels": torch.arange(1, 9).reshape(1, 8),
+            "loss_mask": torch.ones(1, 8),
+            "position_ids": torch.arange(8).reshape(1, 8),
+            "cu_seqlens": torch.tensor([0, 8], dtype=torch.int32),
+            "max_seqlen": torch.tensor(8, dtype=torch.int32),
+        }
+
+
+FETCH_SOURCES: dict[str, Callable[[], Iterator[Any]]] = {
+    "collated": _collated_batches,
+    "spent": lambda: iter(()),
+    "strings": lambda: itertools.repeat("not a microbatch"),
+}
+"""What a fetch gets on TP rank 0 instead of the step's packed iterator (a ``BadInput.fetch_from``)."""
 
 
 def _left_padded(sample: dict, align: int) -> dict:
@@ -576,6 +598,8 @@ def _run(bad: BadInput, case: Case, pg: Any, rank: int, virtual: int | None = No
             packed = [packed] * virtual if virtual is not None else [packed]
         elif bad.fetch_from == "broken":  # on TP rank 0 an iterator whose next() raises (its DataLoader died)
             packed = _Raising(iter(()), 0, RuntimeError("DataLoader worker exited")) if pg.tp.rank() == 0 else None
+        elif bad.fetch_from in FETCH_SOURCES:  # on TP rank 0 an iterator that is not this step's packed one
+            packed = FETCH_SOURCES[bad.fetch_from]() if pg.tp.rank() == 0 else None
         elif bad.fetch_from != "packed":
             packed = source if bad.fetch_from == "raw" else None
         fetch_config = None if bad.fetch_config_none and bad.dp_rank in (None, pg.dp.rank()) else config

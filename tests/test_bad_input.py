@@ -478,6 +478,31 @@ CASES: list[tuple[BadInput, str, tuple[str, ...]]] = [
         ("could not read the next packed microbatch on TP rank 0", "data_iterator raised", "wrap_data_iterator"),
     ),
     (
+        BadInput("fetch from collated SFT batches on TP rank 0", fetch_from="collated", layouts=("2x1x2",)),
+        BAD,
+        ("yielded a dict without", "not a packed microbatch", "wrap_data_iterator_for_global_batch_packing"),
+    ),
+    (
+        BadInput(
+            "fetch from collated SFT batches on TP rank 0, static THD capacity",
+            fetch_from="collated",
+            config=STATIC_THD,
+            layouts=("2x1x2",),
+        ),
+        PADDED,
+        ("not a packed microbatch", "wrap_data_iterator_for_global_batch_packing"),
+    ),
+    (
+        BadInput("fetch from an exhausted iterator on TP rank 0", fetch_from="spent", layouts=("2x1x2",)),
+        "StopIteration",
+        ("microbatch count", "wrap"),
+    ),
+    (
+        BadInput("fetch from an iterator of strings on TP rank 0", fetch_from="strings", layouts=("2x1x2",)),
+        BAD,
+        ("something other than a microbatch dict", "wrap_data_iterator"),
+    ),
+    (
         BadInput("fetch from None on TP rank 0", fetch_from="none"),
         BAD,
         ("data_iterator=None on TP rank 0", "pass that iterator"),

@@ -44,6 +44,7 @@ from mcore_compat.generations import (
 )
 from mcore_compat.portable import SCHEDULERS as PORTABLE_SCHEDULERS
 from mcore_compat.portable.errors import OK, PortablePackingError, Problem, raise_if_bad, record
+from mcore_compat.portable.microbatch import METADATA_KEYS
 from mcore_compat.results import SchedulerApi
 
 _NOT_ENOUGH_TO_MOVE = "Not enough samples to move"
@@ -57,11 +58,17 @@ _REFUSED_FETCHES = (
     Problem.PACKED_RAW_ITERATOR,
     Problem.PACKED_NOT_AN_ITERATOR,
     Problem.PACKED_UNREADABLE,
+    Problem.PACKED_NOT_A_DICT,
+    Problem.PACKED_MISSING_KEY,
+    Problem.PACKED_EXHAUSTED,
 )
 """The refused fetches, by index: where Megatron-Core pads the microbatch (``pad_packed_seq_alignment`` set), the
 mark also rides in ``cu_seqlens``, which the padding only extends: its first entry becomes ``1 + index`` (every real
 ``cu_seqlens`` starts at 0). The rest stays, so the total (``cu_seqlens[-1]``, from which a stage without token
 tensors sizes its padding) and every sequence's length (at most its real one) stay within the padding target."""
+_ANY = -1
+"""The ``a`` of a refused fetch's record: what it names (which key is missing, the microbatch count) does not travel
+to the other TP ranks in the mark, so no rank's message names it."""
 _ROUNDING_FAILED = -1
 """The microbatch count a TP rank 0 whose scheduler could not round its bins sends its other TP ranks."""
 _EVERY_STAGE_FIELDS = ("pipeline_model_parallel_layout", "mtp_num_layers")
@@ -378,8 +385,11 @@ class NativeSchedulerAdapter(PackingAdapter):
         the other TP ranks cannot tell, so the fetch still runs, on this stage's next packed microbatch with its
         ``max_seqlen`` set to :data:`_FETCH_REFUSED` plus the problem (and, where ``model_config`` pads packed
         microbatches, ``cu_seqlens`` marked as :data:`_REFUSED_FETCHES` says), which MCore's broadcast carries to
-        them, and :meth:`check_fetched` raises the problem on every TP rank after it. With TP, an iterator whose
-        ``next()`` raises is refused the same way (TP rank 0 pulls the microbatch itself and hands it on).
+        them, and :meth:`check_fetched` raises the problem on every TP rank after it. With TP, TP rank 0 pulls the
+        microbatch itself (as every generation's fetch does, once, there) and hands it on, so that an iterator whose
+        ``next()`` raises or runs out, and an item that is not a packed microbatch (not a dict, or without the
+        metadata every generation's fetch reads: e.g. a collated batch), are refused the same way. At TP 1 nothing
+        waits on the fetch: the iterator goes to it as given (Megatron-Core's own errors).
         """
         self._fetch_cause = None
         if self._packed_count is None:
@@ -398,12 +408,16 @@ class NativeSchedulerAdapter(PackingAdapter):
         elif pg_collection.tp.size() == 1:  # no TP rank waits on this one: the iterator goes to the fetch as given
             return data_iterator, OK
         else:
-            try:  # pulled here, so that an iterator that raises is refused on every TP rank
-                return iter([next(data_iterator)]), OK
-            except StopIteration:
-                return iter(()), OK  # Megatron-Core's fetch raises it, as it would have
+            try:
+                microbatch = next(data_iterator)
+            except StopIteration as exc:
+                problem, self._fetch_cause = record(Problem.PACKED_EXHAUSTED, a=_ANY), exc
             except Exception as exc:  # noqa: BLE001 - the chained cause on this rank
-                problem, self._fetch_cause = record(Problem.PACKED_UNREADABLE), exc
+                problem, self._fetch_cause = record(Problem.PACKED_UNREADABLE, a=_ANY), exc
+            else:
+                problem = _microbatch_problem(microbatch)
+                if problem is OK:
+                    return iter([microbatch]), OK
         if problem is OK:
             return data_iterator, OK
         pads = _pads_microbatches(model_config)
@@ -438,12 +452,22 @@ class NativeSchedulerAdapter(PackingAdapter):
         params = batch[5] if len(batch) > 5 else None
         marked = int(getattr(params, "max_seqlen_q", None) or 0) - _FETCH_REFUSED
         if marked in _REFUSED_FETCHES:
-            raise_if_bad(record(Problem(marked)))
+            raise_if_bad(record(Problem(marked), a=_ANY))
         bounds = getattr(params, "cu_seqlens_q", None)
         if _pads_microbatches(model_config) and isinstance(bounds, torch.Tensor) and bounds.numel():
             start = int(bounds[0])
             if 1 <= start <= len(_REFUSED_FETCHES):
-                raise_if_bad(record(_REFUSED_FETCHES[start - 1]))
+                raise_if_bad(record(_REFUSED_FETCHES[start - 1], a=_ANY))
+
+
+def _microbatch_problem(microbatch: Any) -> list[int]:
+    """Why ``microbatch`` is not one Megatron-Core's fetch can read (not a dict, or without the metadata every
+    generation's fetch reads), or OK."""
+    if not isinstance(microbatch, dict):
+        return record(Problem.PACKED_NOT_A_DICT, a=_ANY)
+    if any(key not in microbatch for key in METADATA_KEYS):
+        return record(Problem.PACKED_MISSING_KEY, a=_ANY)
+    return OK
 
 
 def _pads_microbatches(model_config: Any) -> bool:

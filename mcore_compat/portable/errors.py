@@ -467,15 +467,23 @@ def describe(record: Sequence[int]) -> str:
             "different samples, so one stage's tokens would meet another's labels; feed every pipeline stage that "
             "loads data the same samples in the same order for its DP rank (seed and shard by DP rank only)"
         )
+    if problem is Problem.PACKED_EXHAUSTED and a < 0:
+        return (
+            "the data_iterator given to get_batch_for_global_batch_packing on TP rank 0 ran out before the microbatch "
+            "count wrap_data_iterator_for_global_batch_packing returned for this step; pass the packed iterator it "
+            "returned for this step"
+        )
     if problem is Problem.PACKED_EXHAUSTED:
         return (
             f"the packed iterator is exhausted: get_batch was called more often than the microbatch count "
             f"wrap returned{f' ({a})' if a else ''}; use that count (packed_num_microbatches) for the step"
         )
     if problem is Problem.PACKED_MISSING_KEY:
+        lacks = "one of cu_seqlens, cu_seqlens_padded and max_seqlen" if a < 0 else repr(_key(a))
         return (
-            f"the packed microbatch has no {_key(a)!r}; pass the iterator returned by "
-            "wrap_data_iterator_for_global_batch_packing to get_batch_for_global_batch_packing"
+            f"the data_iterator given to get_batch_for_global_batch_packing yielded a dict without {lacks}, so not a "
+            "packed microbatch (e.g. a collated batch); pass the iterator returned by "
+            "wrap_data_iterator_for_global_batch_packing"
         )
     if problem is Problem.PACKED_NO_ITERATOR:
         return (
