@@ -333,6 +333,7 @@ def mutate(name: str, item: Any, capacity: int, align: int) -> Any:
         "oversize": lambda: _oversize(s, capacity + align),
         "at_capacity": lambda: _oversize(s, capacity),
         "shortest": lambda: _oversize(s, align),
+        "odd_length": lambda: _oversize(s, 3),
         "two_at_capacity": lambda: [_oversize(s, capacity), _oversize(s, capacity)],
         "no_original": lambda: {k: v for k, v in s.items() if k != "original_seq_len"},
         "misaligned": lambda: _oversize(s, capacity - 1),

@@ -527,6 +527,17 @@ CASES: list[tuple[BadInput, str, tuple[str, ...]]] = [
         BAD,
         ("get_batch_for_global_batch_packing", "not an iterator", "pass the packed iterator"),
     ),
+    (
+        BadInput(
+            "odd length, dynamic CP with sequence parallelism",
+            "odd_length",
+            dynamic_cp=True,
+            config=(("sequence_parallel", True),),
+            layouts=("2x1x2",),
+        ),
+        BAD,
+        ("padded_seq_len=", "is not a multiple of", "pad samples to a multiple"),
+    ),
     (BadInput("good input", dp_rank=None), "ok", ()),
     (BadInput("good input, dynamic CP", dp_rank=None, dynamic_cp=True), "ok", ()),
 ]

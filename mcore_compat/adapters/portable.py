@@ -285,7 +285,8 @@ class PortableAdapter(PackingAdapter):
             raise_if_bad(words[:VERDICT_WIDTH])
             count, seqlen_sum, squared_sum = words[VERDICT_WIDTH:]
             return WrapResult(self._iterators(None, pg, settings), count, float(seqlen_sum), float(squared_sum))
-        step = self._pack_dynamic_step(batch, num_microbatches, pg, settings, min_size, device)
+        sequence_parallel_tp = tp.size() if getattr(model_config, "sequence_parallel", False) is True else 1
+        step = self._pack_dynamic_step(batch, num_microbatches, pg, settings, min_size, device, sequence_parallel_tp)
         exchange.broadcast_fixed(
             [*step.verdict, step.count, step.seqlen_sum, step.seqlen_squared_sum], _STEP_WIDTH, tp, device
         )
@@ -295,9 +296,16 @@ class PortableAdapter(PackingAdapter):
 
     @staticmethod
     def _pack_dynamic_step(
-        batch: LocalBatch, num_microbatches: int, pg: Any, settings: Settings, min_size: int, device: torch.device
+        batch: LocalBatch,
+        num_microbatches: int,
+        pg: Any,
+        settings: Settings,
+        min_size: int,
+        device: torch.device,
+        sequence_parallel_tp: int,
     ) -> Step:
-        """Plan and route the agreed step under dynamic CP (alignment and capacity are judged on the pool)."""
+        """Plan and route the agreed step under dynamic CP (alignment and capacity are judged on the pool; alignment
+        per dynamic group, with ``sequence_parallel_tp`` the TP size that sequence parallelism splits over, else 1)."""
         dp, cp, dp_cp = pg.dp, pg.cp, pg.dp_cp
         reports = exchange.gather_lengths(batch, dp.rank(), cp.rank(), dp_cp, num_microbatches, device)
         pool = dp_cp.size()
@@ -310,7 +318,7 @@ class PortableAdapter(PackingAdapter):
         plan = dynamic.plan_default_dynamic_cp(
             table.padded, max_seqlen_per_rank=settings.max_seqlen_per_dp_cp_rank, ranks=pool, min_size=min_size
         )
-        misaligned = dynamic.first_misaligned(plan, table.padded)
+        misaligned = dynamic.first_misaligned(plan, table.padded, sequence_parallel_tp)
         if misaligned is not None:
             sample, multiple = misaligned
             owner = table.owner[sample]

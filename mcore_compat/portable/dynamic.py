@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from mcore_compat.contract import alignment_multiple
 from mcore_compat.portable import exchange
 from mcore_compat.portable.microbatch import pack_bin
 
@@ -228,17 +229,26 @@ def plan_default_dynamic_cp(
     return DynamicPlan(tuple(microbatches))
 
 
-def first_misaligned(plan: DynamicPlan, padded: Sequence[int]) -> tuple[int, int] | None:
-    """The first sample (in plan order) whose padded length is not a multiple of 2 x its group size, and that multiple.
+def first_misaligned(plan: DynamicPlan, padded: Sequence[int], sequence_parallel_tp: int = 1) -> tuple[int, int] | None:
+    """The first sample (in plan order) whose padded length is not a multiple of its group's alignment, and that
+    multiple: the static-CP multiple of a group of ``k`` ranks (:func:`~mcore_compat.contract.alignment_multiple`).
 
-    The THD zigzag split cuts every sequence of a bin on ``k > 1`` ranks into ``2 * k`` equal chunks.
+    The THD zigzag split cuts every sequence of a bin on ``k > 1`` ranks into ``2 * k`` equal chunks; with sequence
+    parallelism over ``sequence_parallel_tp`` TP ranks (1: none) each rank's share of every sequence is split among
+    them, a group of one rank included.
     """
     for i, bins in enumerate(plan.microbatches):
         for rank, members in enumerate(bins):
             group = plan.group_of(i, rank)
-            if rank != group[0] or len(group) == 1:
+            if rank != group[0]:
                 continue
-            multiple = 2 * len(group)
+            multiple = alignment_multiple(
+                dynamic_cp=False,
+                dp=1,
+                cp=len(group),
+                tp=sequence_parallel_tp,
+                sequence_parallel=sequence_parallel_tp > 1,
+            )
             for sample in members:
                 if padded[sample] % multiple:
                     return sample, multiple

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mcore_compat.portable.dynamic import group_size_needed, plan_default_dynamic_cp
+from mcore_compat.portable.dynamic import first_misaligned, group_size_needed, plan_default_dynamic_cp
 
 MCORE_SRC = os.environ.get("MCORE_SRC")
 
@@ -97,3 +97,23 @@ def test_plan_every_rank_busy_and_every_sample_once():
                 assert all(bins[r] == bins[rank] for r in group)
             seen += [s for r, b in enumerate(bins) if r == plan.group_of(i, r)[0] for s in b]
         assert sorted(seen) == list(range(len(lengths)))
+
+
+@pytest.mark.parametrize(
+    ("padded", "sequence_parallel_tp", "expected"),
+    [
+        ([6, 2, 10, 4], 1, None),  # groups of one rank: no zigzag split, no sequence-parallel split
+        ([6, 2, 10, 4], 4, (10, 4)),  # one rank's bin split among 4 TP ranks (10 runs first in plan order)
+        ([8, 4, 12, 16], 4, None),
+        ([18], 1, (18, 4)),  # over 16 tokens: 2 ranks, 4 zigzag chunks
+        ([20], 1, None),
+        ([20], 4, (20, 8)),  # 2 ranks: each rank's 10 tokens do not split among 4 TP ranks
+        ([24], 4, None),  # each rank's 12 tokens do
+    ],
+)
+def test_misalignment_is_judged_per_dynamic_group_with_sequence_parallelism(padded, sequence_parallel_tp, expected):
+    """A sample must suit the group that runs it: 2k chunks on k > 1 ranks and, with sequence parallelism, each
+    rank's share split among the TP ranks (a group of one rank included), the static-CP multiple of that group."""
+    plan = plan_default_dynamic_cp(padded, max_seqlen_per_rank=16, ranks=2, min_size=1)
+    found = first_misaligned(plan, padded, sequence_parallel_tp)
+    assert (None if found is None else (padded[found[0]], found[1])) == expected
