@@ -24,6 +24,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
+import mcore_compat.runtime as runtime
 from mcore_compat.capabilities import Capabilities
 from mcore_compat.errors import PackingConfigError, UnsupportedPinError
 
@@ -172,13 +173,7 @@ def check_dynamic_cp_rules(capabilities: Capabilities, model_config: Any, pg_col
     graphs; ``hybrid_context_parallel`` off where it is not an alias. Attributes the config does not
     have are not checked. Raises ``PackingConfigError``, which the step's agreement shares with every rank.
     """
-    pool = pg_collection.dp_cp.size()
-    if not _power_of_two(pool) or pool < 2:
-        raise PackingConfigError(
-            f"DP x CP = {pool} ranks (data-parallel {pg_collection.dp.size()} x context-parallel "
-            f"{pg_collection.cp.size()}): dynamic context parallelism needs a power of two >= 2; change the world "
-            "size or context_parallel_size"
-        )
+    pool = runtime.check_dynamic_cp_pool(pg_collection)
     min_size = getattr(model_config, "min_dynamic_context_parallel_size", 1)
     if not _positive_int(min_size) or not _power_of_two(min_size) or min_size > pool:
         raise PackingConfigError(

@@ -125,6 +125,19 @@ def check_switches(model_config: Any) -> None:
             )
 
 
+def check_dynamic_cp_pool(pg_collection: Any) -> int:
+    """The DP x CP pool dynamic CP forms its groups from: a power of two >= 2 (the schedulers size groups in powers
+    of two up to the pool; Megatron-Core's own groups at another pool lack some of them). Returns its size."""
+    pool = int(pg_collection.dp_cp.size())
+    if pool < 2 or pool & (pool - 1):
+        raise PackingConfigError(
+            f"DP x CP = {pool} ranks (data-parallel {pg_collection.dp.size()} x context-parallel "
+            f"{pg_collection.cp.size()}): dynamic context parallelism needs a power of two >= 2; change the world "
+            "size or context_parallel_size"
+        )
+    return pool
+
+
 def check_min_dynamic_cp_size(model_config: Any, pool: int) -> int:
     """``min_dynamic_context_parallel_size``: a power of two that divides the DP x CP pool."""
     value = getattr(model_config, "min_dynamic_context_parallel_size", 1)

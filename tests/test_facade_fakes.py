@@ -19,7 +19,7 @@ import pytest
 import mcore_compat
 import packing
 from mcore_compat.adapters import UnsupportedAdapter
-from mcore_compat.errors import BadSampleError
+from mcore_compat.errors import BadSampleError, PackingConfigError
 from tests.fake_mcore import FakeGroup, FakeMCore, microbatch, packing_config, pg_collection, sample, sample_ids
 from tests.observed_config import ObservedConfig
 from tests.real_outcomes import RUNS
@@ -243,6 +243,19 @@ def test_wrap_takes_exact_scheduler_names_only(fake_mcore: FakeMCore) -> None:
     )
     [call] = fake_mcore.calls["wrap_data_iterator"]
     assert type(call.bound["config"].sequence_packing_scheduler) is str
+
+
+@pytest.mark.parametrize(("dp_size", "cp_size"), [(3, 2), (6, 1), (1, 1)])
+def test_dynamic_cp_needs_a_power_of_two_pool_on_every_backend(fake_mcore: FakeMCore, dp_size: int, cp_size: int):
+    """Megatron-Core's scheduler sizes dynamic groups in powers of two up to the pool; at a pool of 6 it asks for a
+    group of 4 (which does not exist) or of 8 on the scheduling ranks only. Refused before any scheduler runs."""
+    if packing.probe_global_batch_packing_support("default_dynamic_cp", dynamic_cp=True) is not None:
+        pytest.skip(f"{fake_mcore.generation} runs no dynamic CP")
+    config = packing_config("default_dynamic_cp", dynamic_cp=True)
+    groups = pg_collection(tp_size=1, dp_size=dp_size, cp_size=cp_size)
+    with pytest.raises(PackingConfigError, match=rf"DP x CP = {dp_size * cp_size} ranks .* power of two >= 2"):
+        packing.wrap_data_iterator_for_global_batch_packing(iter(samples()), config, len(LENGTHS), groups)
+    assert fake_mcore.calls["wrap_data_iterator"] == []
 
 
 # -- fetch ---------------------------------------------------------------------------------------

@@ -297,7 +297,7 @@ class NativeSchedulerAdapter(PackingAdapter):
         runtime.check_pipeline_shapes(model_config, pg_collection.pp.size())
         dynamic_cp = self.dynamic_cp_enabled(model_config)
         if dynamic_cp:
-            runtime.check_min_dynamic_cp_size(model_config, pg_collection.dp_cp.size())
+            runtime.check_min_dynamic_cp_size(model_config, runtime.check_dynamic_cp_pool(pg_collection))
             runtime.check_dynamic_cp_microbatch_group(model_config)
         self.require_runnable(model_config)
         return runtime.step_limits(model_config, pg_collection, dynamic_cp)
