@@ -74,6 +74,9 @@ class BadInput:
     unreadable: str | None = None
     """A model-config field whose reading raises (as OmegaConf's ``MissingMandatoryValue``) on the ranks ``dp_rank``
     names."""
+    rewrap: bool = False
+    """Wrap and fetch a first step on the same sample dict objects before the step under test (a dataset that hands
+    out stored dicts again: an in-memory dataset, ``itertools.cycle``, a second epoch)."""
     unchecked: bool = False
     """Run the pin's own ``wrap`` and fetch through the adapter, without the facade's checks and agreement, on the
     good samples as every generation reads them (:func:`_reference_sources`): the microbatches good input must
@@ -571,6 +574,10 @@ def _fetch_all(fetch: Callable[..., Any], packed: Any, count: int, config: Any, 
     ]
 
 
+def _replay(items: list[Any] | None) -> Iterator[Any] | None:
+    return None if items is None else iter(items)
+
+
 def _run(bad: BadInput, case: Case, pg: Any, rank: int, virtual: int | None = None) -> Outcome:
     import packing
 
@@ -593,6 +600,11 @@ def _run(bad: BadInput, case: Case, pg: Any, rank: int, virtual: int | None = No
     start = time.perf_counter()
     outcome = Outcome(bad.name, rank, "ok", "")
     try:
+        if bad.rewrap:  # a first step on the same sample dicts, fetched whole, then the step under test
+            items = None if source is None else list(source)
+            packed, count, _, _ = wrap(_replay(items), wrap_config, num_microbatches, pg_collection=wrap_pg)
+            _fetch_all(fetch, packed, int(count), config, pg, virtual)
+            source = _replay(items)
         packed, count, _, _ = wrap(source, wrap_config, num_microbatches, pg_collection=wrap_pg)
         outcome.microbatches = count = int(count)
         if bad.fetch_from == "list":  # every fetch gets a list: all stages' iterators (VPP) or [the iterator]

@@ -538,6 +538,7 @@ CASES: list[tuple[BadInput, str, tuple[str, ...]]] = [
         BAD,
         ("padded_seq_len=", "is not a multiple of", "pad samples to a multiple"),
     ),
+    (BadInput("the same sample dicts again on the next step", dp_rank=None, rewrap=True), "ok", ()),
     (BadInput("good input", dp_rank=None), "ok", ()),
     (BadInput("good input, dynamic CP", dp_rank=None, dynamic_cp=True), "ok", ()),
 ]

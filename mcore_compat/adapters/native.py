@@ -230,6 +230,8 @@ class NativeSchedulerAdapter(PackingAdapter):
         else:
             forms = self._sample_forms()
             items = batch.items if batch.plain and "unpacked" in forms else convert_items(batch.items, forms)
+            if pg_collection.pp.size() > 1:  # its scheduler deletes the fields a stage does not need, in place
+                items = [_shallow_copy(item) for item in items]
             replay = itertools.chain(items, source or ())
             iterator = replay if position is None else self._stage_list(data_iterator, position, replay, pg_collection)
         return iterator
@@ -468,6 +470,14 @@ def _microbatch_problem(microbatch: Any) -> list[int]:
     if any(key not in microbatch for key in METADATA_KEYS):
         return record(Problem.PACKED_MISSING_KEY, a=_ANY)
     return OK
+
+
+def _shallow_copy(item: Any) -> Any:
+    """A new dict (or list of new dicts) holding the item's tensors, so that Megatron-Core's edits of the dicts
+    never reach the trainer's own (a dataset that hands out stored dicts again)."""
+    if isinstance(item, dict):
+        return dict(item)
+    return [dict(sample) for sample in item]
 
 
 def _pads_microbatches(model_config: Any) -> bool:
