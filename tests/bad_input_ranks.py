@@ -118,8 +118,22 @@ def _collated_batches() -> Iterator[dict]:
         }
 
 
+def _without_tokens() -> Iterator[dict]:
+    """Microbatches with the metadata every fetch reads but no ``tokens`` (which a first stage's fetch reads)."""
+    while True:
+        yield {
+            "labels": torch.arange(1, 9),
+            "loss_mask": torch.ones(8),
+            "position_ids": torch.arange(8),
+            "cu_seqlens": torch.tensor([0, 8], dtype=torch.int32),
+            "cu_seqlens_padded": torch.tensor([0, 8], dtype=torch.int32),
+            "max_seqlen": torch.tensor(8, dtype=torch.int32),
+        }
+
+
 FETCH_SOURCES: dict[str, Callable[[], Iterator[Any]]] = {
     "collated": _collated_batches,
+    "without_tokens": _without_tokens,
     "spent": lambda: iter(()),
     "strings": lambda: itertools.repeat("not a microbatch"),
 }

@@ -493,6 +493,11 @@ CASES: list[tuple[BadInput, str, tuple[str, ...]]] = [
         ("not a packed microbatch", "wrap_data_iterator_for_global_batch_packing"),
     ),
     (
+        BadInput("fetch microbatches without tokens on TP rank 0", fetch_from="without_tokens", layouts=("2x1x2",)),
+        BAD,
+        ("yielded a dict without", "not a packed microbatch", "wrap_data_iterator_for_global_batch_packing"),
+    ),
+    (
         BadInput("fetch from an exhausted iterator on TP rank 0", fetch_from="spent", layouts=("2x1x2",)),
         "StopIteration",
         ("microbatch count", "wrap"),

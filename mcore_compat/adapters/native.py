@@ -417,7 +417,7 @@ class NativeSchedulerAdapter(PackingAdapter):
             except Exception as exc:  # noqa: BLE001 - the chained cause on this rank
                 problem, self._fetch_cause = record(Problem.PACKED_UNREADABLE, a=_ANY), exc
             else:
-                problem = _microbatch_problem(microbatch)
+                problem = self._microbatch_problem(microbatch, model_config, pg_collection, vp_stage)
                 if problem is OK:
                     return iter([microbatch]), OK
         if problem is OK:
@@ -427,6 +427,22 @@ class NativeSchedulerAdapter(PackingAdapter):
         if marked is None:
             raise_if_bad(problem, self._fetch_cause)
         return iter([marked]), problem
+
+    def _microbatch_problem(
+        self, microbatch: Any, model_config: Any, pg_collection: Any, vp_stage: int | None
+    ) -> list[int]:
+        """Why ``microbatch`` is not one Megatron-Core's fetch can read on this stage (not a dict, or without the
+        metadata, this stage's fields or, under dynamic CP, ``local_cp_size``), or OK."""
+        if not isinstance(microbatch, dict):
+            return record(Problem.PACKED_NOT_A_DICT, a=_ANY)
+        needed = (
+            *METADATA_KEYS,
+            *self.fetched_fields(model_config, pg_collection, vp_stage),
+            *(("local_cp_size",) if self.dynamic_cp_enabled(model_config) else ()),
+        )
+        if any(key not in microbatch for key in needed):
+            return record(Problem.PACKED_MISSING_KEY, a=_ANY)
+        return OK
 
     def _marked_microbatch(self, vp_stage: int | None, problem: list[int], pads: bool) -> dict[str, Any] | None:
         """This stage's next packed microbatch with ``max_seqlen`` (and ``cu_seqlens`` where Megatron-Core ``pads``
@@ -460,16 +476,6 @@ class NativeSchedulerAdapter(PackingAdapter):
             start = int(bounds[0])
             if 1 <= start <= len(_REFUSED_FETCHES):
                 raise_if_bad(record(_REFUSED_FETCHES[start - 1], a=_ANY))
-
-
-def _microbatch_problem(microbatch: Any) -> list[int]:
-    """Why ``microbatch`` is not one Megatron-Core's fetch can read (not a dict, or without the metadata every
-    generation's fetch reads), or OK."""
-    if not isinstance(microbatch, dict):
-        return record(Problem.PACKED_NOT_A_DICT, a=_ANY)
-    if any(key not in microbatch for key in METADATA_KEYS):
-        return record(Problem.PACKED_MISSING_KEY, a=_ANY)
-    return OK
 
 
 def _shallow_copy(item: Any) -> Any:

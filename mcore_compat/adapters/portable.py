@@ -64,9 +64,7 @@ from mcore_compat.portable.errors import (
     record,
 )
 from mcore_compat.portable.microbatch import (
-    INPUT_KEYS,
     METADATA_KEYS,
-    TARGET_KEYS,
     bin_metadata,
     local_padding_mask,
     local_view,
@@ -442,12 +440,8 @@ class PortableAdapter(PackingAdapter):
     def get_batch(
         self, data_iterator: Any, model_config: Any, *, pg_collection: Any, vp_stage: int | None
     ) -> PackedBatch:
-        tp, pp, cp = pg_collection.tp, pg_collection.pp, pg_collection.cp
-        vpp_size = getattr(model_config, "virtual_pipeline_model_parallel_size", None)
-        first = pp.rank() == 0 and (vp_stage is None or vp_stage == 0)
-        last = pp.rank() == pp.size() - 1 and (vp_stage is None or vpp_size is None or vp_stage == vpp_size - 1)
-        mtp = self.mtp_on_this_rank(model_config, vp_stage)
-        keys = (INPUT_KEYS if first or mtp else ()) + (TARGET_KEYS if last or mtp else ())
+        tp, cp = pg_collection.tp, pg_collection.cp
+        keys = self.fetched_fields(model_config, pg_collection, vp_stage)
         device = exchange.group_device(tp)
         groups: dict[int, Any] = {}
 

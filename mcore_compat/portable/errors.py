@@ -479,7 +479,12 @@ def describe(record: Sequence[int]) -> str:
             f"wrap returned{f' ({a})' if a else ''}; use that count (packed_num_microbatches) for the step"
         )
     if problem is Problem.PACKED_MISSING_KEY:
-        lacks = "one of cu_seqlens, cu_seqlens_padded and max_seqlen" if a < 0 else repr(_key(a))
+        lacks = (
+            "a key this stage's fetch reads (cu_seqlens, cu_seqlens_padded, max_seqlen; tokens and position_ids on the "
+            "first stage, labels and loss_mask on the last; local_cp_size under dynamic CP)"
+            if a < 0
+            else repr(_key(a))
+        )
         return (
             f"the data_iterator given to get_batch_for_global_batch_packing yielded a dict without {lacks}, so not a "
             "packed microbatch (e.g. a collated batch); pass the iterator returned by "
