@@ -38,6 +38,9 @@ __all__ = [
     "ModelComponent",
     "PACKING_CONFIG_FIELDS",
     "PP_BROADCAST_FUNCTION",
+    "RERUN_MACHINE",
+    "RERUN_MODULE",
+    "RERUN_REPLAY_STATE",
     "SCALARS_BROADCAST_FUNCTION",
     "SCHEDULER_MODULE",
     "SCHEDULER_UTILS_MODULE",
@@ -60,6 +63,14 @@ FETCH_FUNCTION = "get_batch_on_this_rank_for_sequence_packing"
 SCALARS_BROADCAST_FUNCTION = "broadcast_scalars"
 """The function of :data:`SCHEDULER_UTILS_MODULE`, ``(values, group, dev)``, with which every native generation's
 ``wrap_data_iterator`` sends its TP rank 0's microbatch count and FLOPs sums to the other TP ranks (G2-G8, M3)."""
+RERUN_MODULE = "megatron.core.rerun_state_machine"
+RERUN_MACHINE = "_GLOBAL_RERUN_STATE_MACHINE"
+"""The module global of :data:`RERUN_MODULE` holding the rerun state machine once a trainer initialized it (its
+getter would initialize one)."""
+RERUN_REPLAY_STATE = "RERUNNING_IN_PLACE"
+"""The name of the machine's ``state`` while it reruns a step in place: Megatron-LM's ``train_step`` then rewinds the
+packed iterator (a ``RerunDataIterator``) ``wrap`` returned and fetches the step's microbatches again, the machine's
+state identical on every rank (it is decided in a collective)."""
 PP_BROADCAST_FUNCTION = "broadcast_to_pp_group"
 """The function of :data:`SCHEDULER_UTILS_MODULE`, ``(new_samples, num_micro_batches, seqlen_sum,
 seqlen_squared_sum, pp_group, dev)``, with which the ``wrap_data_iterator`` of every generation whose first and last

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import functools
 import importlib
 import itertools
@@ -74,6 +75,10 @@ class BadInput:
     unreadable: str | None = None
     """A model-config field whose reading raises (as OmegaConf's ``MissingMandatoryValue``) on the ranks ``dp_rank``
     names."""
+    rerun: bool = False
+    """Run the step as Megatron-LM's ``train_step`` does when its rerun state machine reruns it in place: after every
+    microbatch was fetched, the packed iterators are rewound and the step's microbatches fetched again (they must be
+    the same)."""
     rewrap: bool = False
     """Wrap and fetch a first step on the same sample dict objects before the step under test (a dataset that hands
     out stored dicts again: an in-memory dataset, ``itertools.cycle``, a second epoch)."""
@@ -588,6 +593,23 @@ def _fetch_all(fetch: Callable[..., Any], packed: Any, count: int, config: Any, 
     ]
 
 
+@contextlib.contextmanager
+def _rerun_machine(on: bool) -> Iterator[Any]:
+    """Megatron-Core's rerun state machine validating results (its data iterators keep the step's microbatches), in
+    its state before a step; restored after. None where ``on`` is false."""
+    if not on:
+        yield None
+        return
+    rerun = importlib.import_module("megatron.core.rerun_state_machine")
+    machine = rerun.get_rerun_state_machine()
+    mode, state = machine.mode, machine.state
+    machine.mode = rerun.RerunMode.VALIDATE_RESULTS
+    try:
+        yield machine
+    finally:
+        machine.mode, machine.state = mode, state
+
+
 def _replay(items: list[Any] | None) -> Iterator[Any] | None:
     return None if items is None else iter(items)
 
@@ -630,7 +652,15 @@ def _run(bad: BadInput, case: Case, pg: Any, rank: int, virtual: int | None = No
         elif bad.fetch_from != "packed":
             packed = source if bad.fetch_from == "raw" else None
         fetch_config = None if bad.fetch_config_none and bad.dp_rank in (None, pg.dp.rank()) else config
-        outcome.fetched = _fetch_all(fetch, packed, count, fetch_config, pg, virtual)
+        with _rerun_machine(bad.rerun) as machine:
+            outcome.fetched = _fetch_all(fetch, packed, count, fetch_config, pg, virtual)
+            if machine is not None:
+                machine.state = type(machine.state)["RERUNNING_IN_PLACE"]
+                for stream, _ in _streams(packed, virtual):
+                    if stream is not None:
+                        stream.rewind()
+                if _fetch_all(fetch, packed, count, fetch_config, pg, virtual) != outcome.fetched:
+                    raise AssertionError("the rerun fetched other microbatches than the first run")
     except BaseException as exc:  # noqa: BLE001 - the test compares what every rank raised
         outcome.kind, outcome.message = type(exc).__name__, str(exc)
         outcome.bad_sample_error = isinstance(exc, BadSampleError)

@@ -544,6 +544,7 @@ CASES: list[tuple[BadInput, str, tuple[str, ...]]] = [
         ("padded_seq_len=", "is not a multiple of", "pad samples to a multiple"),
     ),
     (BadInput("the same sample dicts again on the next step", dp_rank=None, rewrap=True), "ok", ()),
+    (BadInput("a rerun in place fetches the step again", dp_rank=None, rerun=True), "ok", ()),
     (BadInput("good input", dp_rank=None), "ok", ()),
     (BadInput("good input, dynamic CP", dp_rank=None, dynamic_cp=True), "ok", ()),
 ]

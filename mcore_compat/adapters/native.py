@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import sys
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,6 +38,9 @@ from mcore_compat.errors import PackingError
 from mcore_compat.generations import (
     FETCH_FUNCTION,
     PP_BROADCAST_FUNCTION,
+    RERUN_MACHINE,
+    RERUN_MODULE,
+    RERUN_REPLAY_STATE,
     SCALARS_BROADCAST_FUNCTION,
     SCHEDULER_MODULE,
     SCHEDULER_UTILS_MODULE,
@@ -382,7 +386,8 @@ class NativeSchedulerAdapter(PackingAdapter):
         """What Megatron-Core's fetch gets on this rank, and this fetch's problem (OK where none).
 
         A fetch past the microbatch count ``wrap`` returned raises ``StopIteration`` here, on every TP rank (every
-        rank knows the count: MCore broadcasts it). On TP rank 0, ``data_iterator`` None where ``wrap`` returned a
+        rank knows the count: MCore broadcasts it), except while Megatron-Core's rerun state machine reruns the step
+        in place (the count starts again). On TP rank 0, ``data_iterator`` None where ``wrap`` returned a
         packed iterator, or the sample iterator ``wrap`` consumed, is refused: at TP size 1 it raises here; with TP
         the other TP ranks cannot tell, so the fetch still runs, on this stage's next packed microbatch with its
         ``max_seqlen`` set to :data:`_FETCH_REFUSED` plus the problem (and, where ``model_config`` pads packed
@@ -398,7 +403,9 @@ class NativeSchedulerAdapter(PackingAdapter):
             return data_iterator, OK
         done = self._fetched.get(vp_stage, 0)
         if done >= self._packed_count:
-            raise_if_bad(record(Problem.PACKED_EXHAUSTED, a=self._packed_count))
+            if not _rerunning_in_place():
+                raise_if_bad(record(Problem.PACKED_EXHAUSTED, a=self._packed_count))
+            done = 0  # the rerun state machine replays the step from the rewound packed iterator
         self._fetched[vp_stage] = done + 1
         if data_iterator is None:
             refused = any(it is not None for it in self._packed)
@@ -476,6 +483,12 @@ class NativeSchedulerAdapter(PackingAdapter):
             start = int(bounds[0])
             if 1 <= start <= len(_REFUSED_FETCHES):
                 raise_if_bad(record(_REFUSED_FETCHES[start - 1], a=_ANY))
+
+
+def _rerunning_in_place() -> bool:
+    """Whether Megatron-Core's rerun state machine, where a trainer uses one, reruns the current step in place."""
+    machine = getattr(sys.modules.get(RERUN_MODULE), RERUN_MACHINE, None)
+    return getattr(getattr(machine, "state", None), "name", None) == RERUN_REPLAY_STATE
 
 
 def _shallow_copy(item: Any) -> Any:
