@@ -37,6 +37,7 @@ __all__ = [
     "MODEL_COMPONENTS",
     "ModelComponent",
     "PACKING_CONFIG_FIELDS",
+    "PACKING_MOE_DISPATCHERS",
     "PP_BROADCAST_FUNCTION",
     "RERUN_MACHINE",
     "RERUN_MODULE",
@@ -63,6 +64,10 @@ FETCH_FUNCTION = "get_batch_on_this_rank_for_sequence_packing"
 SCALARS_BROADCAST_FUNCTION = "broadcast_scalars"
 """The function of :data:`SCHEDULER_UTILS_MODULE`, ``(values, group, dev)``, with which every native generation's
 ``wrap_data_iterator`` sends its TP rank 0's microbatch count and FLOPs sums to the other TP ranks (G2-G8, M3)."""
+PACKING_MOE_DISPATCHERS = ("alltoall", "flex")
+"""The MoE token dispatchers dev's ``TransformerConfig`` accepts with a packing scheduler (it asserts so when the
+scheduler is given to its constructor): ``allgather`` gathers equal token counts over the TP x EP ranks, while the
+DP ranks an expert-parallel group spans run packed bins of different lengths."""
 RERUN_MODULE = "megatron.core.rerun_state_machine"
 RERUN_MACHINE = "_GLOBAL_RERUN_STATE_MACHINE"
 """The module global of :data:`RERUN_MODULE` holding the rerun state machine once a trainer initialized it (its

@@ -18,7 +18,7 @@ from typing import Any
 
 from mcore_compat.contract import Limits, alignment_multiple
 from mcore_compat.errors import PackingConfigError
-from mcore_compat.generations import PACKING_CONFIG_FIELDS
+from mcore_compat.generations import PACKING_CONFIG_FIELDS, PACKING_MOE_DISPATCHERS
 from mcore_compat.portable.errors import NOT_AN_INT, SETTINGS_FIELDS
 
 __all__ = [
@@ -29,7 +29,9 @@ __all__ = [
     "THD_TAIL_POLICIES",
     "check_config_object",
     "check_dynamic_cp_microbatch_group",
+    "check_dynamic_cp_pool",
     "check_min_dynamic_cp_size",
+    "check_moe_dispatcher",
     "check_readable",
     "check_settings",
     "check_switches",
@@ -346,6 +348,26 @@ def check_config_object(model_config: Any) -> None:
         )
 
 
+def check_moe_dispatcher(model_config: Any, owner: str = "model_config") -> None:
+    """MoE layers dispatch tokens with one of :data:`~mcore_compat.generations.PACKING_MOE_DISPATCHERS` where their
+    gather spans DP ranks (expert parallelism, or an expert TP group wider than TP); one TP group alone holds
+    equal token counts, so the ``allgather`` default stays accepted there. Messages name ``{owner}.{field}``."""
+    experts = getattr(model_config, "num_moe_experts", None)
+    dispatcher = getattr(model_config, "moe_token_dispatcher_type", None)
+    if not experts or not isinstance(dispatcher, str) or dispatcher in PACKING_MOE_DISPATCHERS:
+        return
+    tp: Any = getattr(model_config, "tensor_model_parallel_size", 1)
+    ep: Any = getattr(model_config, "expert_model_parallel_size", 1)
+    etp: Any = getattr(model_config, "expert_tensor_parallel_size", None)
+    if (_is_positive_int(ep) and ep > 1) or (_is_positive_int(etp) and _is_positive_int(tp) and etp > tp):
+        raise PackingConfigError(
+            f"{owner}.moe_token_dispatcher_type={dispatcher!r} with num_moe_experts={experts!r}, "
+            f"expert_model_parallel_size={ep!r} and expert_tensor_parallel_size={etp!r}: it gathers equal token "
+            "counts over ranks of different DP ranks, which run packed bins of different lengths (Megatron-Core "
+            f"refuses it with a packing scheduler); set {owner}.moe_token_dispatcher_type='alltoall' (or 'flex')"
+        )
+
+
 def check_settings(model_config: Any, pool: int, dynamic_cp: bool, pipeline_stages: int = 1) -> None:
     """Every setting a step reads, before the pin is asked whether it can run them.
 
@@ -361,6 +383,7 @@ def check_settings(model_config: Any, pool: int, dynamic_cp: bool, pipeline_stag
         check_dynamic_cp_microbatch_group(model_config)
     max_seqlen_per_dp_cp_rank(model_config)
     check_thd_settings(model_config)
+    check_moe_dispatcher(model_config)
 
 
 def require_fields(model_config: Any, fields: tuple[str, ...], why: str) -> None:

@@ -388,6 +388,7 @@ def validate_global_batch_packing(cfg: Any) -> bool:
     _check_thd_loss_mode(cfg, layout)
     _check_unsupported_features(cfg)
     runtime.check_thd_settings(cfg.model, owner="model")
+    runtime.check_moe_dispatcher(cfg.model, owner="model")
     dynamic_cp = _dynamic_cp(cfg)
     if dynamic_cp:
         pool, pool_name = _check_dynamic_cp(cfg, layout), "dp x cp"

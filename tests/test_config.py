@@ -429,6 +429,16 @@ BAD = [
         DYNAMIC | {"model.data_parallel_size": 3},
         ["model.data_parallel_size=3", "= 6) to be a power of two >= 2"],
     ),
+    # MoE token dispatch across DP ranks: bins differ in length, the allgather dispatcher gathers equal counts
+    (
+        "moe-allgather-ep",
+        {
+            "model.num_moe_experts": 8,
+            "model.moe_token_dispatcher_type": "allgather",
+            "model.expert_model_parallel_size": 2,
+        },
+        ["model.moe_token_dispatcher_type='allgather'", "set model.moe_token_dispatcher_type='alltoall'"],
+    ),
     # D2. the minimum dynamic CP size is a power of two within the pool
     (
         "D2-not-power",

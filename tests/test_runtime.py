@@ -17,6 +17,7 @@ from mcore_compat.errors import PackingConfigError
 from mcore_compat.portable.errors import SETTINGS_FIELDS
 from mcore_compat.runtime import (
     check_config_object,
+    check_moe_dispatcher,
     check_pipeline_shapes,
     check_switches,
     check_thd_settings,
@@ -291,3 +292,42 @@ def test_standalone_mtp_stages_read_off_the_layout(text: str, pp: int, expected:
 @pytest.mark.parametrize("config", [SimpleNamespace(), SimpleNamespace(pipeline_model_parallel_layout=None)])
 def test_no_layout_means_no_standalone_mtp(config: SimpleNamespace) -> None:
     assert standalone_mtp_stages(config) == frozenset()
+
+
+MOE_CASES: list[tuple[dict[str, Any], str | None]] = [
+    ({}, None),
+    ({"num_moe_experts": None, "moe_token_dispatcher_type": "allgather", "expert_model_parallel_size": 4}, None),
+    ({"num_moe_experts": 8, "moe_token_dispatcher_type": "allgather"}, None),  # one TP group: equal token counts
+    ({"num_moe_experts": 8, "moe_token_dispatcher_type": "allgather", "expert_model_parallel_size": 1}, None),
+    (
+        {
+            "num_moe_experts": 8,
+            "moe_token_dispatcher_type": "allgather",
+            "tensor_model_parallel_size": 2,
+            "expert_tensor_parallel_size": 2,
+        },
+        None,
+    ),
+    ({"num_moe_experts": 8, "moe_token_dispatcher_type": "alltoall", "expert_model_parallel_size": 4}, None),
+    ({"num_moe_experts": 8, "moe_token_dispatcher_type": "flex", "expert_model_parallel_size": 4}, None),
+    (
+        {"num_moe_experts": 8, "moe_token_dispatcher_type": "allgather", "expert_model_parallel_size": 4},
+        "model_config.moe_token_dispatcher_type='allgather' with num_moe_experts=8, expert_model_parallel_size=4",
+    ),
+    (
+        {
+            "num_moe_experts": 8,
+            "moe_token_dispatcher_type": "allgather",
+            "tensor_model_parallel_size": 1,
+            "expert_tensor_parallel_size": 2,
+        },
+        "set model_config.moe_token_dispatcher_type='alltoall'",
+    ),
+]
+
+
+@pytest.mark.parametrize(("fields", "fragment"), MOE_CASES, ids=[str(c[0]) for c in MOE_CASES])
+def test_moe_dispatch_across_dp_ranks_needs_alltoall_or_flex(fields: dict[str, Any], fragment: str | None) -> None:
+    """Packed bins differ in length between DP ranks; the allgather dispatcher gathers equal counts over TP x EP."""
+    message = _message(check_moe_dispatcher, SimpleNamespace(**fields))
+    assert message is None if fragment is None else fragment in (message or ""), message
