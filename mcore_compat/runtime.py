@@ -410,13 +410,20 @@ def require_pg_collection(pg_collection: Any) -> None:
 
 
 def require_groups(pg_collection: Any) -> None:
-    """The collection holds every group of :data:`PG_GROUPS`."""
+    """The collection holds every group of :data:`PG_GROUPS`, and its DP x CP group is its DP and CP groups'."""
     require_pg_collection(pg_collection)
     missing = [name for name in PG_GROUPS if getattr(pg_collection, name, None) is None]
     if missing:
         raise PackingConfigError(
             f"pg_collection has no {', '.join(missing)} group: global-batch packing reads tp, pp, cp, dp and dp_cp; "
             f"build it with {_BUILD_PG}"
+        )
+    dp, cp, dp_cp = pg_collection.dp.size(), pg_collection.cp.size(), pg_collection.dp_cp.size()
+    if dp * cp != dp_cp:
+        raise PackingConfigError(
+            f"pg_collection.dp ({dp} ranks) x pg_collection.cp ({cp}) is not pg_collection.dp_cp ({dp_cp}): the "
+            "groups do not belong to one layout (e.g. dp holds the data-parallel group with context parallelism, "
+            f"which is dp_cp); build it with {_BUILD_PG}"
         )
 
 

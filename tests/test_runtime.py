@@ -133,16 +133,26 @@ def test_thd_rules_match_a_dev_tree() -> None:
     assert ours == mcore, list(zip(CROSS_CHECKED, ours, mcore, strict=True))
 
 
-_GROUPS = {name: object() for name in ("tp", "pp", "cp", "dp", "dp_cp")}
+def _group(size: int) -> SimpleNamespace:
+    return SimpleNamespace(size=lambda: size, rank=lambda: 0)
+
+
+_GROUPS = {"tp": _group(2), "pp": _group(1), "cp": _group(2), "dp": _group(4), "dp_cp": _group(8)}
 PG_CASES: list[tuple[Any, str | None]] = [
     (SimpleNamespace(**_GROUPS), None),
     (None, "pg_collection=None: global-batch packing needs the model's ProcessGroupCollection"),
     (SimpleNamespace(**{**_GROUPS, "dp_cp": None}), "pg_collection has no dp_cp group"),
     (SimpleNamespace(tp=object()), "pg_collection has no pp, cp, dp, dp_cp group"),
+    (
+        SimpleNamespace(**{**_GROUPS, "dp": _group(8)}),
+        "pg_collection.dp (8 ranks) x pg_collection.cp (2) is not pg_collection.dp_cp (8)",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("pg_collection", "fragment"), PG_CASES, ids=["complete", "None", "no dp_cp", "tp only"])
+@pytest.mark.parametrize(
+    ("pg_collection", "fragment"), PG_CASES, ids=["complete", "None", "no dp_cp", "tp only", "dp is dp x cp"]
+)
 def test_process_groups(pg_collection: Any, fragment: str | None) -> None:
     _assert_answer(_message(require_groups, pg_collection), fragment, "use_mpu_process_groups")
 
