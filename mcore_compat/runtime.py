@@ -305,6 +305,10 @@ STEP_FIELDS: tuple[str, ...] = tuple(
             "enable_cuda_graph",
             "multi_latent_attention",
             "num_moe_experts",
+            "moe_token_dispatcher_type",
+            "tensor_model_parallel_size",
+            "expert_model_parallel_size",
+            "expert_tensor_parallel_size",
             "is_hybrid_model",
             "experimental_attention_variant",
         )
