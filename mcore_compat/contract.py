@@ -315,7 +315,6 @@ def _libc_memcmp() -> Callable[[int, int, int], int] | None:
 
 
 _memcmp = _libc_memcmp()
-_INT64_BYTES = torch.int64.itemsize
 
 
 def _positions(length: int, device: torch.device) -> torch.Tensor:
@@ -332,19 +331,27 @@ _cpu_counting = _positions(1 << 16, _CPU)
 """The CPU counting tensor ``memcmp`` reads (replaced by a longer one when a sequence outgrows it)."""
 
 
+def _equal_in_place(value: torch.Tensor, start: int, reference: torch.Tensor, count: int) -> bool:
+    """Whether ``value[start : start + count]`` holds the bytes of ``reference``'s first ``count`` elements (same
+    dtype), compared in place (``memcmp``: several times faster than torch for short windows, and no copy for long
+    ones) where ``value`` is a contiguous plain CPU tensor; False where it cannot tell (torch decides then)."""
+    if _memcmp is None or type(value) is not torch.Tensor or not value.is_cpu or not value.is_contiguous():
+        return False
+    size = reference.itemsize
+    return not _memcmp(value.data_ptr() + start * size, reference.data_ptr(), count * size)
+
+
 def _wrong_position(ids: torch.Tensor, start: int, original: int) -> int | None:
     """The first offset at which ``ids[start : start + original]`` (int64) is not ``0 .. original - 1``, or None.
 
-    A contiguous window of a plain CPU tensor is compared in place with the counting tensor's bytes
-    (``memcmp``: several times faster than torch for short sequences, and no copy for long ones);
-    other devices, strided windows and tensor subclasses, and the offset of a mismatch, with torch.
+    Compared in place with the counting tensor first (:func:`_equal_in_place`); other devices, strided windows and
+    tensor subclasses, and the offset of a mismatch, with torch.
     """
     global _cpu_counting
-    if _memcmp is not None and type(ids) is torch.Tensor and ids.is_cpu and ids.is_contiguous():
-        if _cpu_counting.numel() < original:
-            _cpu_counting = _positions(original, _CPU)
-        if not _memcmp(ids.data_ptr() + start * _INT64_BYTES, _cpu_counting.data_ptr(), original * _INT64_BYTES):
-            return None
+    if _cpu_counting.numel() < original:
+        _cpu_counting = _positions(original, _CPU)
+    if _equal_in_place(ids, start, _cpu_counting, original):
+        return None
     positions = ids[start : start + original]
     expected = _positions(original, ids.device)
     if torch.equal(positions, expected):
@@ -352,7 +359,6 @@ def _wrong_position(ids: torch.Tensor, start: int, original: int) -> int | None:
     return int(torch.nonzero(positions != expected)[0, 0])
 
 
-_FLOAT32_BYTES = torch.float32.itemsize
 _cpu_zeros = torch.zeros(1 << 16, dtype=torch.float32)
 """The CPU zeros ``memcmp`` compares ``loss_mask`` padding with (replaced by a longer one when padding outgrows it)."""
 
@@ -360,16 +366,15 @@ _cpu_zeros = torch.zeros(1 << 16, dtype=torch.float32)
 def _loss_on_padding(mask: torch.Tensor, start: int, end: int) -> int | None:
     """The first offset from ``start`` at which ``mask[start:end]`` (float32 ``loss_mask`` padding) is not 0, or None.
 
-    As :func:`_wrong_position`: a contiguous window of a plain CPU tensor is compared in place with zeros first
-    (-0.0 and other devices, with torch)."""
+    Compared in place with zeros first (:func:`_equal_in_place`); -0.0, other devices and strided windows with
+    torch."""
     global _cpu_zeros
     if end <= start:
         return None
-    if _memcmp is not None and type(mask) is torch.Tensor and mask.is_cpu and mask.is_contiguous():
-        if _cpu_zeros.numel() < end - start:
-            _cpu_zeros = torch.zeros(end - start, dtype=torch.float32)
-        if not _memcmp(mask.data_ptr() + start * _FLOAT32_BYTES, _cpu_zeros.data_ptr(), (end - start) * _FLOAT32_BYTES):
-            return None
+    if _cpu_zeros.numel() < end - start:
+        _cpu_zeros = torch.zeros(end - start, dtype=torch.float32)
+    if _equal_in_place(mask, start, _cpu_zeros, end - start):
+        return None
     loss = torch.nonzero(mask[start:end])
     return int(loss[0, 0]) if loss.numel() else None
 
