@@ -729,4 +729,21 @@ def bad_inputs_on_rank(
                     dist.barrier()
             finally:
                 state.destroy_model_parallel()
-    return {"backend": adapter().backend, "generation": adapter().capabilities.generation, "outcomes": outcomes}
+    return {
+        "backend": adapter().backend,
+        "generation": adapter().capabilities.generation,
+        "replays_unedited": _replays_unedited(),
+        "outcomes": outcomes,
+    }
+
+
+def _replays_unedited() -> bool:
+    """Whether the pin's ``RerunDataIterator`` replays a microbatch as it was yielded, after the consumer edited the
+    dict (dev keeps a shallow copy since late 2026; older commits keep the dict itself, which Megatron-Core's fetch
+    edits, so a rerun in place fails in their own fetch at TP 1)."""
+    rerun = importlib.import_module("megatron.core.rerun_state_machine")
+    with _rerun_machine(True):
+        iterator = rerun.RerunDataIterator(iter([{"tokens": 1}]))
+        next(iterator)["tokens"] = 2
+        iterator.rewind()
+        return next(iterator)["tokens"] == 1

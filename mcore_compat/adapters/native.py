@@ -425,8 +425,8 @@ class NativeSchedulerAdapter(PackingAdapter):
                 problem, self._fetch_cause = record(Problem.PACKED_UNREADABLE, a=_ANY), exc
             else:
                 problem = self._microbatch_problem(microbatch, model_config, pg_collection, vp_stage)
-                if problem is OK:
-                    return iter([microbatch]), OK
+                if problem is OK:  # a copy: the fetch edits the dict, which a rerun may replay
+                    return iter([dict(microbatch)]), OK
         if problem is OK:
             return data_iterator, OK
         pads = _pads_microbatches(model_config)
