@@ -116,8 +116,8 @@ class _Layout(NamedTuple):
 def _get(cfg: Any, field: str) -> Any:
     """``cfg.<part>.<name>`` (or ``cfg.<name>`` for an undotted field), its default where absent."""
     *part, name = field.split(".")
-    owner = getattr(cfg, part[0], None) if part else cfg
     try:
+        owner = getattr(cfg, part[0], None) if part else cfg
         return getattr(owner, name, CONFIG_DEFAULTS[field])
     except Exception as exc:  # noqa: BLE001 - a config's own attribute access (OmegaConf's ??? value), named here
         raise PackingConfigError(
