@@ -146,7 +146,7 @@ def digest(batch: LocalBatch | None) -> int:
 _CONTENT_KEYS = ("tokens", "labels", "loss_mask")
 _CONTENT_READ = 1 << 32
 """Set in every :func:`content` that was read, so that 0 means "not read"."""
-CONTENT_BYTES = 1 << 20
+CONTENT_BYTES = 1 << 17
 """About how many bytes of a step's contents :func:`content` reads (whole samples; a step within it is read whole)."""
 
 
