@@ -93,6 +93,7 @@ class NativeSchedulerAdapter(PackingAdapter):
         self._fetched: dict[int | None, int] = {}
         self._packed: list[Any] = []
         self._consumed: list[Any] = []
+        self._returned: tuple[Any, ...] = ()
         self._fetch_cause: BaseException | None = None
         """What the iterator the last fetch pulled from raised on this rank (chained to the refusal)."""
         module = importlib.import_module(SCHEDULER_MODULE)
@@ -379,6 +380,9 @@ class NativeSchedulerAdapter(PackingAdapter):
         self._fetched, self._packed_count = {}, count
         self._packed = per_stage(packed)
         self._consumed = [it for it in per_stage(consumed) if it is not None]
+        self._returned = tuple(  # the packed iterators a fetch at TP 1 takes as they are
+            it for it in self._packed if is_iterator(it) and not any(it is raw for raw in self._consumed)
+        )
 
     def fetch_source(
         self, vp_stage: int | None, data_iterator: Any, pg_collection: Any, model_config: Any
@@ -407,6 +411,9 @@ class NativeSchedulerAdapter(PackingAdapter):
                 raise_if_bad(record(Problem.PACKED_EXHAUSTED, a=self._packed_count))
             done = 0  # the rerun state machine replays the step from the rewound packed iterator
         self._fetched[vp_stage] = done + 1
+        tp_size = pg_collection.tp.size()
+        if tp_size == 1 and any(data_iterator is it for it in self._returned):
+            return data_iterator, OK
         if data_iterator is None:
             refused = any(it is not None for it in self._packed)
             problem = record(Problem.PACKED_NO_ITERATOR) if refused else OK
@@ -414,7 +421,7 @@ class NativeSchedulerAdapter(PackingAdapter):
             problem = record(Problem.PACKED_RAW_ITERATOR)
         elif not is_iterator(data_iterator):
             problem = record(Problem.PACKED_NOT_AN_ITERATOR)
-        elif pg_collection.tp.size() == 1:  # no TP rank waits on this one: the iterator goes to the fetch as given
+        elif tp_size == 1:  # no TP rank waits on this one: the iterator goes to the fetch as given
             return data_iterator, OK
         else:
             try:
@@ -430,7 +437,7 @@ class NativeSchedulerAdapter(PackingAdapter):
         if problem is OK:
             return data_iterator, OK
         pads = _pads_microbatches(model_config)
-        marked = self._marked_microbatch(vp_stage, problem, pads) if pg_collection.tp.size() > 1 else None
+        marked = self._marked_microbatch(vp_stage, problem, pads) if tp_size > 1 else None
         if marked is None:
             raise_if_bad(problem, self._fetch_cause)
         return iter([marked]), problem
