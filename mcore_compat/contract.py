@@ -486,11 +486,14 @@ def _plain_unpacked(raw: dict[str, Any], limits: Limits) -> Sample | None:
         and original_len.shape == _ONE
     ):
         return None
-    padded, original = padded_len.item(), original_len.item()
+    padded, original = int(padded_len.item()), int(original_len.item())
     if not 1 <= original <= padded or padded % limits.align or (limits.capacity or padded) < padded:
         return None
     shape = (padded,)
-    tokens, labels, mask, positions = raw.get("tokens"), raw.get("labels"), raw.get("loss_mask"), raw.get("position_ids")
+    tokens: Any = raw.get("tokens")
+    labels: Any = raw.get("labels")
+    mask: Any = raw.get("loss_mask")
+    positions: Any = raw.get("position_ids")
     if not (
         _plain_field(tokens, _INT64, shape)
         and _plain_field(labels, _INT64, shape)
