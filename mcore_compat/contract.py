@@ -91,6 +91,7 @@ SAMPLE_DTYPES: dict[str, torch.dtype] = {
     "padded_seq_len": torch.int32,
 }
 """The dtype of every key of a built unpacked sample (lengths may also be any other integer dtype)."""
+_TOKENS, _LABELS, _LOSS_MASK, _POSITION_IDS = (dtype for _, dtype in TOKEN_FIELDS)
 
 
 def _positive(name: str, value: Any) -> int:
@@ -318,11 +319,12 @@ _memcmp = _libc_memcmp()
 
 
 def _positions(length: int, device: torch.device) -> torch.Tensor:
-    """``0 .. length - 1`` (int64) on ``device``: a view of one counting tensor kept per device, grown on demand."""
+    """``0 .. length - 1`` (``position_ids``' dtype) on ``device``: a view of one counting tensor kept per device, grown
+    on demand."""
     counting = _counting.get(device)
     if counting is None or counting.numel() < length:
         size = max(length, 2 * counting.numel() if counting is not None else 4096)
-        counting = _counting[device] = torch.arange(size, dtype=torch.int64, device=device)
+        counting = _counting[device] = torch.arange(size, dtype=_POSITION_IDS, device=device)
     return counting[:length]
 
 
@@ -359,7 +361,7 @@ def _wrong_position(ids: torch.Tensor, start: int, original: int) -> int | None:
     return int(torch.nonzero(positions != expected)[0, 0])
 
 
-_cpu_zeros = torch.zeros(1 << 16, dtype=torch.float32)
+_cpu_zeros = torch.zeros(1 << 16, dtype=_LOSS_MASK)
 """The CPU zeros ``memcmp`` compares ``loss_mask`` padding with (replaced by a longer one when padding outgrows it)."""
 
 
@@ -372,7 +374,7 @@ def _loss_on_padding(mask: torch.Tensor, start: int, end: int) -> int | None:
     if end <= start:
         return None
     if _cpu_zeros.numel() < end - start:
-        _cpu_zeros = torch.zeros(end - start, dtype=torch.float32)
+        _cpu_zeros = torch.zeros(end - start, dtype=_LOSS_MASK)
     if _equal_in_place(mask, start, _cpu_zeros, end - start):
         return None
     loss = torch.nonzero(mask[start:end])
@@ -426,8 +428,6 @@ def _unpacked(raw: Mapping[str, Any], rank: int, index: int, limits: Limits) -> 
 
 
 _INT32 = torch.int32
-_INT64 = torch.int64
-_FLOAT32 = torch.float32
 _ONE = torch.Size((1,))
 _PLAIN_KEYS = (frozenset(REQUIRED_SAMPLE_KEYS), frozenset(REQUIRED_SAMPLE_KEYS) - {"original_seq_len"})
 """The keys of a plain sample: the contract's, with or without ``original_seq_len``."""
@@ -435,7 +435,8 @@ _TENSOR = torch.Tensor
 
 
 def _plain_field(value: Any, dtype: torch.dtype, shape: tuple[int]) -> bool:
-    """Whether a per-token field is a plain dense ``[L]`` tensor of its dtype (an integer one cannot require grad)."""
+    """Whether a per-token field is a plain dense ``[L]`` tensor of its dtype (``requires_grad`` is the caller's to
+    check, where the dtype is a floating one: an integer tensor cannot require grad)."""
     return (
         type(value) is _TENSOR
         and value.dtype is dtype
@@ -443,6 +444,9 @@ def _plain_field(value: Any, dtype: torch.dtype, shape: tuple[int]) -> bool:
         and value.layout is _STRIDED
         and not value.is_meta
     )
+
+
+_POSITION_BYTES, _MASK_BYTES = _POSITION_IDS.itemsize, _LOSS_MASK.itemsize
 
 
 def _counts_without_loss_on_padding(positions: torch.Tensor, mask: torch.Tensor, original: int, padded: int) -> bool:
@@ -458,10 +462,10 @@ def _counts_without_loss_on_padding(positions: torch.Tensor, mask: torch.Tensor,
         and original <= _cpu_counting.numel()
         and padded - original <= _cpu_zeros.numel()
     ):
-        if _memcmp(positions.data_ptr(), _cpu_counting.data_ptr(), original * 8):
+        if _memcmp(positions.data_ptr(), _cpu_counting.data_ptr(), original * _POSITION_BYTES):
             return False
-        pads = (padded - original) * 4
-        return not pads or not _memcmp(mask.data_ptr() + original * 4, _cpu_zeros.data_ptr(), pads)
+        pads = (padded - original) * _MASK_BYTES
+        return not pads or not _memcmp(mask.data_ptr() + original * _MASK_BYTES, _cpu_zeros.data_ptr(), pads)
     if _wrong_position(positions, 0, original) is not None:
         return False
     return original == padded or _loss_on_padding(mask, original, padded) is None
@@ -495,10 +499,10 @@ def _plain_unpacked(raw: dict[str, Any], limits: Limits) -> Sample | None:
     mask: Any = raw.get("loss_mask")
     positions: Any = raw.get("position_ids")
     if not (
-        _plain_field(tokens, _INT64, shape)
-        and _plain_field(labels, _INT64, shape)
-        and _plain_field(positions, _INT64, shape)
-        and _plain_field(mask, _FLOAT32, shape)
+        _plain_field(tokens, _TOKENS, shape)
+        and _plain_field(labels, _LABELS, shape)
+        and _plain_field(positions, _POSITION_IDS, shape)
+        and _plain_field(mask, _LOSS_MASK, shape)
         and not mask.requires_grad
     ):
         return None
