@@ -212,6 +212,7 @@ def _float_bits(value: float) -> int:
 
 _INTEGER_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
 _STRIDED = torch.strided
+_TENSOR = torch.Tensor
 
 
 def _without_data(value: torch.Tensor) -> TensorKind | None:
@@ -260,6 +261,18 @@ def _length(raw: Mapping[str, Any], key: str, rank: int, index: int) -> tuple[in
     return int(value.item()), OK
 
 
+def _plain_field(value: Any, dtype: torch.dtype, shape: tuple[int]) -> bool:
+    """Whether a per-token field is a plain dense ``[L]`` tensor of its dtype (``requires_grad`` is the caller's to
+    check, where the dtype is a floating one: an integer tensor cannot require grad)."""
+    return (
+        type(value) is _TENSOR
+        and value.dtype is dtype
+        and value.shape == shape
+        and value.layout is _STRIDED
+        and not value.is_meta
+    )
+
+
 _TOKEN_CHECKS = tuple((key, dtype, SAMPLE_KEYS.index(key)) for key, dtype in TOKEN_FIELDS)
 
 
@@ -268,16 +281,8 @@ def _token_fields(
 ) -> tuple[dict[str, torch.Tensor], list[int]]:
     fields: dict[str, torch.Tensor] = {}
     for key, dtype, key_index in _TOKEN_CHECKS:
-        value = raw.get(key)
-        if (
-            type(value) is torch.Tensor
-            and value.dtype == dtype
-            and value.dim() == 1
-            and value.numel() == length
-            and value.layout is _STRIDED
-            and not value.is_meta
-            and not value.requires_grad
-        ):
+        value: Any = raw.get(key)
+        if _plain_field(value, dtype, (length,)) and not value.requires_grad:
             fields[key] = value  # the common case first; the checks below name what is wrong
             continue
         if value is None and key not in raw:
@@ -431,44 +436,6 @@ _INT32 = torch.int32
 _ONE = torch.Size((1,))
 _PLAIN_KEYS = (frozenset(REQUIRED_SAMPLE_KEYS), frozenset(REQUIRED_SAMPLE_KEYS) - {"original_seq_len"})
 """The keys of a plain sample: the contract's, with or without ``original_seq_len``."""
-_TENSOR = torch.Tensor
-
-
-def _plain_field(value: Any, dtype: torch.dtype, shape: tuple[int]) -> bool:
-    """Whether a per-token field is a plain dense ``[L]`` tensor of its dtype (``requires_grad`` is the caller's to
-    check, where the dtype is a floating one: an integer tensor cannot require grad)."""
-    return (
-        type(value) is _TENSOR
-        and value.dtype is dtype
-        and value.shape == shape
-        and value.layout is _STRIDED
-        and not value.is_meta
-    )
-
-
-_POSITION_BYTES, _MASK_BYTES = _POSITION_IDS.itemsize, _LOSS_MASK.itemsize
-
-
-def _counts_without_loss_on_padding(positions: torch.Tensor, mask: torch.Tensor, original: int, padded: int) -> bool:
-    """Whether ``positions`` count ``0 .. original - 1`` and ``mask`` is 0 from ``original`` to ``padded``: for plain
-    contiguous CPU tensors one ``memcmp`` each, called here (the hot path of every sample); else as
-    :func:`_wrong_position` and :func:`_loss_on_padding` tell."""
-    if (
-        _memcmp is not None
-        and positions.is_cpu
-        and mask.is_cpu
-        and positions.is_contiguous()
-        and mask.is_contiguous()
-        and original <= _cpu_counting.numel()
-        and padded - original <= _cpu_zeros.numel()
-    ):
-        if _memcmp(positions.data_ptr(), _cpu_counting.data_ptr(), original * _POSITION_BYTES):
-            return False
-        pads = (padded - original) * _MASK_BYTES
-        return not pads or not _memcmp(mask.data_ptr() + original * _MASK_BYTES, _cpu_zeros.data_ptr(), pads)
-    if _wrong_position(positions, 0, original) is not None:
-        return False
-    return original == padded or _loss_on_padding(mask, original, padded) is None
 
 
 def _plain_unpacked(raw: dict[str, Any], limits: Limits) -> Sample | None:
@@ -506,7 +473,9 @@ def _plain_unpacked(raw: dict[str, Any], limits: Limits) -> Sample | None:
         and not mask.requires_grad
     ):
         return None
-    if not _counts_without_loss_on_padding(positions, mask, original, padded):
+    if _wrong_position(positions, 0, original) is not None:
+        return None
+    if original < padded and _loss_on_padding(mask, original, padded) is not None:
         return None
     fields = {"tokens": tokens, "labels": labels, "loss_mask": mask, "position_ids": positions}
     return Sample(fields, original, padded)
