@@ -93,7 +93,6 @@ class NativeSchedulerAdapter(PackingAdapter):
         self._fetched: dict[int | None, int] = {}
         self._packed: list[Any] = []
         self._consumed: list[Any] = []
-        self._returned: tuple[Any, ...] = ()
         self._fetch_cause: BaseException | None = None
         """What the iterator the last fetch pulled from raised on this rank (chained to the refusal)."""
         module = importlib.import_module(SCHEDULER_MODULE)
@@ -380,9 +379,6 @@ class NativeSchedulerAdapter(PackingAdapter):
         self._fetched, self._packed_count = {}, count
         self._packed = per_stage(packed)
         self._consumed = [it for it in per_stage(consumed) if it is not None]
-        self._returned = tuple(  # the packed iterators a fetch at TP 1 takes as they are
-            it for it in self._packed if is_iterator(it) and not any(it is raw for raw in self._consumed)
-        )
 
     def fetch_source(
         self, vp_stage: int | None, data_iterator: Any, pg_collection: Any, model_config: Any
@@ -412,8 +408,6 @@ class NativeSchedulerAdapter(PackingAdapter):
             done = 0  # the rerun state machine replays the step from the rewound packed iterator
         self._fetched[vp_stage] = done + 1
         tp_size = pg_collection.tp.size()
-        if tp_size == 1 and any(data_iterator is it for it in self._returned):
-            return data_iterator, OK
         if data_iterator is None:
             refused = any(it is not None for it in self._packed)
             problem = record(Problem.PACKED_NO_ITERATOR) if refused else OK
