@@ -15,9 +15,11 @@ item is one sample dict or a list of them. A sample comes in one of two forms:
 
 Every sequence: at least one real token, ``original <= padded``, ``padded`` a multiple of
 :func:`alignment_multiple` and at most the bin capacity, ``position_ids`` ``0 .. original - 1`` over
-its real tokens. Every tensor is dense data (strided, not on the meta device, not requiring grad). Extra
-keys are allowed and ignored. With virtual pipeline stages ``data_iterator`` is a list of one iterator
-(or None) per stage, as Megatron-Core takes it (:func:`stage_source`).
+its real tokens. Token ids are ``>= 0`` on every slot (padding too: the embedding reads each one) and labels ``>= 0``
+wherever ``loss_mask`` is not 0 (an ignore index such as -100 only where it is 0). Every tensor is dense data
+(strided, not on the meta device, not requiring grad). Extra keys are allowed and ignored. With virtual pipeline
+stages ``data_iterator`` is a list of one iterator (or None) per stage, as Megatron-Core takes it
+(:func:`stage_source`).
 
 Nothing here raises for bad input: :func:`read_step` returns a problem record (see
 :mod:`mcore_compat.portable.errors`) that the caller ships inside the step's agreement collective,
@@ -547,6 +549,53 @@ def _prepacked(raw: Mapping[str, Any], rank: int, index: int, limits: Limits) ->
     return samples, OK
 
 
+_VALUE_KEYS = tuple(SAMPLE_KEYS.index(key) for key in ("tokens", "labels"))
+
+
+def _values_in_range(samples: list[Sample]) -> bool:
+    """Whether the whole step's token ids are >= 0 and its labels >= 0 wherever the loss mask trains them, read
+    with one concatenation per field; False also where it cannot tell (fields on several devices):
+    :func:`_bad_values` then reads each sample."""
+    fields = [sample.fields for sample in samples]
+    try:
+        tokens = torch.cat([f["tokens"] for f in fields])
+        labels = torch.cat([f["labels"] for f in fields])
+        negative_tokens, negative_labels = torch.stack((tokens.min() < 0, labels.min() < 0)).tolist()
+        if not negative_labels:
+            return not negative_tokens
+        mask = torch.cat([f["loss_mask"] for f in fields])
+        return not negative_tokens and not bool(((labels < 0) & (mask != 0)).any())
+    except RuntimeError:
+        return False
+
+
+def _bad_values(raw: Mapping[str, Any], rank: int, index: int) -> list[int]:
+    """The first negative token id or negative trained label of one sample whose fields were checked, or ``OK``."""
+    tokens, labels, mask = (raw[key].reshape(-1) for key in ("tokens", "labels", "loss_mask"))
+    problems = (tokens < 0, (labels < 0) & (mask.to(labels.device) != 0))
+    for key_index, bad, value in zip(_VALUE_KEYS, problems, (tokens, labels), strict=True):
+        hit = torch.nonzero(bad)
+        if hit.numel():
+            at = int(hit[0, 0])
+            return record(Problem.BAD_VALUE, rank, index, a=key_index, b=at, c=int(value[at]))
+    return OK
+
+
+def _values(samples: list[Sample], raw_samples: list[dict[str, Any]], rank: int) -> tuple[list[int], Exception | None]:
+    """``OK`` where every token id and trained label of the step is in range (:func:`_values_in_range`), else the
+    first sample's problem (and what reading it raised, reported as for any check)."""
+    if not samples or _values_in_range(samples):
+        return OK, None
+    for index, raw in enumerate(raw_samples):
+        try:
+            verdict = _bad_values(raw, rank, index)
+        except Exception as exc:  # noqa: BLE001 - reported on every rank, re-raised here as the cause
+            return _check_failure(raw, rank, index, exc), exc
+        if verdict != OK:
+            return verdict, None
+    return OK, None
+
+
 def _check_failure(raw: Mapping[str, Any], rank: int, index: int, exc: Exception) -> list[int]:
     """The record of a sample whose check raised: a contract key that holds no packable data, else the exception."""
     try:
@@ -592,7 +641,8 @@ def check_items(items: list[Any], rank: int, limits: Limits) -> tuple[list[Sampl
             return [], record(Problem.CHECK_FAILED, rank, index, a=exception_index(exc)), exc, False
     samples = _leading_plain(raw_samples, limits)
     if len(samples) == len(raw_samples):
-        return samples, OK, None, True
+        verdict, cause = _values(samples, raw_samples, rank)
+        return (samples, OK, None, True) if verdict == OK else ([], verdict, cause, False)
     first_form = "unpacked" if samples else None
     plain = False
     for index in range(len(samples), len(raw_samples)):
@@ -615,7 +665,8 @@ def check_items(items: list[Any], rank: int, limits: Limits) -> tuple[list[Sampl
         if verdict != OK:
             return [], verdict, None, False
         samples.extend(found)
-    return samples, OK, None, plain
+    verdict, cause = _values(samples, raw_samples, rank)
+    return (samples if verdict == OK else []), verdict, cause, plain
 
 
 @contextmanager

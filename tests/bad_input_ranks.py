@@ -405,6 +405,20 @@ def mutate(name: str, item: Any, capacity: int, align: int) -> Any:
             "loss_mask": torch.masked.masked_tensor(s["loss_mask"], torch.ones(n, dtype=torch.bool)),
         },
         "subclass_labels": lambda: {**s, "labels": s["labels"].as_subclass(_Subclass)},
+        "negative_token": lambda: {**s, "tokens": torch.cat((s["tokens"][:1] * 0 - 1, s["tokens"][1:]))},
+        "negative_pad_token": lambda: {**s, "tokens": torch.cat((s["tokens"][:-1], s["tokens"][-1:] * 0 - 7))},
+        "ignore_label_trained": lambda: {
+            **s,
+            "labels": torch.cat((s["labels"][:1] * 0 - 100, s["labels"][1:])),
+            "loss_mask": torch.cat((s["loss_mask"][:1] * 0 + 1, s["loss_mask"][1:])),
+        },
+        "ignore_label_untrained": lambda: {
+            **s,
+            "labels": torch.where(s["loss_mask"] == 0, -100, s["labels"]).index_fill(0, torch.tensor([0]), -100),
+            "loss_mask": s["loss_mask"].index_fill(0, torch.tensor([0]), 0.0),
+        },
+        "padded_meta": lambda: _lengths(s, padded=s["padded_seq_len"].to("meta")),
+        "original_meta": lambda: _lengths(s, original=s["original_seq_len"].to("meta")),
         "empty_prepacked_padded": lambda: {
             **{k: v[:0] for k, v in s.items() if not k.endswith("seq_len")},
             "cu_seqlens": torch.tensor([0, 0], dtype=torch.int32),

@@ -12,6 +12,7 @@ import torch
 
 from mcore_compat import contract
 from mcore_compat.contract import Limits, check_items
+from mcore_compat.portable.errors import SAMPLE_KEYS, Problem, describe, record
 from mcore_compat.testing.samples import ITEM_LAYOUTS, SampleSpec
 from tests.bad_input_ranks import ITERATOR_MUTATIONS, mutate
 from tests.test_bad_input import CASES
@@ -109,3 +110,44 @@ def test_negative_zero_on_padding_is_no_loss_on_either_path(monkeypatch):
     assert one_pass[0] == contract.OK
     monkeypatch.setattr(contract, "_plain_unpacked", lambda raw, limits: None)
     assert _outcome(items) == one_pass
+
+
+VALUE_DEFECTS = [
+    # (where, key, value, loss_mask there or None to keep it, expected key of the record or None: in range)
+    ("real", "tokens", -1, None, "tokens"),
+    ("padding", "tokens", -3, None, "tokens"),
+    ("real", "labels", -100, 1.0, "labels"),
+    ("real", "labels", -100, 0.0, None),
+    ("padding", "labels", -100, None, None),
+    ("real", "tokens", 0, None, None),
+]
+
+
+def _slot(sample: dict, where: str) -> int:
+    original, padded = int(sample["original_seq_len"]), int(sample["padded_seq_len"])
+    return original - 1 if where == "real" else padded - 1
+
+
+@pytest.mark.parametrize(("where", "key", "value", "mask", "named"), VALUE_DEFECTS)
+@pytest.mark.parametrize("layout", ["plain", "prepacked"])
+def test_token_ids_and_trained_labels_must_not_be_negative(where, key, value, mask, named, layout, monkeypatch):
+    """The step-wide check and the per-sample search agree, name the field, the offset in the sample's buffer and
+    the value; -100 labels are fine wherever loss_mask is 0."""
+    items = _items(None)
+    index = next(i for i, s in enumerate(items) if int(s["original_seq_len"]) < int(s["padded_seq_len"]))
+    sample = items[index] = {k: v.clone() for k, v in items[index].items()}
+    at = _slot(sample, where)
+    sample[key][at] = value
+    if mask is not None:
+        sample["loss_mask"][at] = mask
+    if layout == "prepacked":
+        items = [mutate("prepacked", s, CAPACITY, ALIGN) for s in items]
+    verdict = check_items(items, 0, Limits(ALIGN, CAPACITY))[1]
+    if named is None:
+        assert verdict == contract.OK
+    else:
+        assert verdict == record(Problem.BAD_VALUE, 0, index, a=SAMPLE_KEYS.index(named), b=at, c=value)
+        message = describe(verdict)
+        assert f"{named}[{at}]={value}" in message and f"sample {index}" in message
+    monkeypatch.setattr(contract, "_values_in_range", lambda samples: False)
+    assert check_items(items, 0, Limits(ALIGN, CAPACITY))[1] == verdict

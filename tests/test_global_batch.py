@@ -146,6 +146,7 @@ BAD_BUILD = [
     ([1, 2], [1, 2], [10**30, 1], 4, ["loss_mask=[10", "is not a sequence of numbers"]),
     ([1, 2], [1, 2], [1j, 1], 4, ["loss_mask has dtype torch.complex64", "real numbers"]),
     ([1, -2, 3], [1, 2, 3], [1, 1, 1], 4, ["tokens[1]=-2", "non-negative ids", "labels/loss_mask"]),
+    ([1, 2, 3], [1, -100, 3], [1, 1, 1], 4, ["labels[1]=-100 is negative where loss_mask[1] is not 0", "set loss"]),
 ]
 
 
@@ -183,10 +184,11 @@ def test_build_rejects_bad_pad_ids(keyword: str, value: object, fragments: list[
 
 def test_build_takes_numpy_ids_and_negative_label_ids() -> None:
     built = build_unpacked_sequence_sample(
-        [1, 2, 3], [1, 2, 3], [1, 1, 1], pad_to_multiple_of=4, pad_token_id=np.int64(7), ignore_label_id=-100
+        [1, 2, 3], [1, -100, 3], [1, 0, 1], pad_to_multiple_of=4, pad_token_id=np.int64(7), ignore_label_id=-100
     )
     assert built["tokens"].tolist() == [1, 2, 3, 7]
-    assert built["labels"].tolist() == [1, 2, 3, -100]
+    assert built["labels"].tolist() == [1, -100, 3, -100]
+    validate_unpacked_sample(built)
 
 
 # -- validator ----------------------------------------------------------------------------------
@@ -327,6 +329,18 @@ BAD_SAMPLES = [
         ["sample['padded_seq_len']=[8] is not a multiple of 16", "dataset.global_batch_packing_pad_to_multiple_of"],
     ),
     ("bad-multiple", lambda s: s, 0, ["pad_to_multiple_of=0", "positive int"]),
+    (
+        "negative-pad-token",
+        lambda s: _replace("tokens", s["tokens"].index_fill(0, torch.tensor([7]), -1))(s),
+        None,
+        ["sample['tokens'][7]=-1", "padding included", "ids >= 0"],
+    ),
+    (
+        "ignore-label-trained",
+        lambda s: _replace("labels", s["labels"].index_fill(0, torch.tensor([2]), -100))(s),
+        None,
+        ["sample['labels'][2]=-100 is negative where sample['loss_mask'][2] is not 0", "ignore index"],
+    ),
 ]
 
 

@@ -126,6 +126,7 @@ class Problem(enum.IntEnum):
     STAGE_MISMATCH = 36
     PACKED_UNREADABLE = 37
     LOSS_ON_PADDING = 38
+    BAD_VALUE = 39
 
 
 class TensorKind(enum.IntEnum):
@@ -240,6 +241,20 @@ def _bad_length(key: str, kind: int, value: int) -> str:
     return f"{key!r} {what}; {fix}"
 
 
+def _bad_value(key: str, at: int, value: int) -> str:
+    if key == "tokens":
+        return (
+            f"tokens[{at}]={value} is negative; every slot of tokens, padding included, indexes the embedding (with "
+            "tensor parallelism a negative id silently becomes a zero vector): use vocabulary ids >= 0 and pad with a "
+            "real id such as the tokenizer's pad or EOD id"
+        )
+    return (
+        f"{key}[{at}]={value} is negative where loss_mask[{at}] is not 0, so it is trained on, and Megatron-Core's "
+        "cross entropy takes a target outside the vocabulary as a zero logit (a silently wrong loss); set loss_mask "
+        "to 0 wherever labels hold an ignore index such as -100"
+    )
+
+
 _BOUNDS_PROBLEMS = {
     0: "is not a 1-D integer tensor with at least two entries",
     1: "does not start at 0 (it starts at {c})",
@@ -350,6 +365,8 @@ def describe(record: Sequence[int]) -> str:
             "the real tokens first (right padding) and set loss_mask to 0 on padding, as "
             "packing.global_batch.build_unpacked_sequence_sample does"
         )
+    if problem is Problem.BAD_VALUE:
+        return f"{where}: {_bad_value(_key(a), b, c)}"
     if problem is Problem.MICROBATCH_MISMATCH:
         return (
             f"num_microbatches differs between ranks: global rank {a} (DP rank {rank}) passed {b}, global rank 0 "
