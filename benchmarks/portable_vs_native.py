@@ -125,10 +125,12 @@ class CollectiveCounter:
 FACADE_PHASES = {
     "pull": ("mcore_compat.contract", "pull"),
     "checks": ("mcore_compat.contract", "check_items"),
+    "of which token and label values": ("mcore_compat.contract", "_values"),
     "agreement": ("mcore_compat.adapters.native", "agree"),
     "conversion": ("mcore_compat.adapters.native", "convert_items"),
 }
-"""The facade's own phases of a checked native step: the function each one is, by module and name."""
+"""The facade's own phases of a checked native step: the function each one is, by module and name (the value
+checks are a part of the checks)."""
 
 
 class PhaseTimer:

@@ -554,17 +554,18 @@ _VALUE_KEYS = tuple(SAMPLE_KEYS.index(key) for key in ("tokens", "labels"))
 
 def _values_in_range(samples: list[Sample]) -> bool:
     """Whether the whole step's token ids are >= 0 and its labels >= 0 wherever the loss mask trains them, read
-    with one concatenation per field; False also where it cannot tell (fields on several devices):
-    :func:`_bad_values` then reads each sample."""
+    with one concatenation of the tokens and labels (and, where some label is negative, of the loss mask); False
+    also where it cannot tell (fields on several devices): :func:`_bad_values` then reads each sample."""
     fields = [sample.fields for sample in samples]
     try:
-        tokens = torch.cat([f["tokens"] for f in fields])
-        labels = torch.cat([f["labels"] for f in fields])
-        negative_tokens, negative_labels = torch.stack((tokens.min() < 0, labels.min() < 0)).tolist()
-        if not negative_labels:
-            return not negative_tokens
-        mask = torch.cat([f["loss_mask"] for f in fields])
-        return not negative_tokens and not bool(((labels < 0) & (mask != 0)).any())
+        ids = torch.cat([f["tokens"] for f in fields] + [f["labels"] for f in fields])
+        if ids.min().item() >= 0:
+            return True
+        tokens, labels = ids.split(len(ids) // 2)
+        if tokens.min().item() < 0:
+            return False
+        mask = torch.cat([f["loss_mask"] for f in fields]).to(labels.device)
+        return not bool(((labels < 0) & (mask != 0)).any())
     except RuntimeError:
         return False
 
