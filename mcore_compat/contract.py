@@ -561,7 +561,8 @@ def _values_in_range(samples: list[Sample]) -> bool:
         ids = torch.cat([f["tokens"] for f in fields] + [f["labels"] for f in fields])
         if ids.min().item() >= 0:
             return True
-        tokens, labels = ids.split(len(ids) // 2)
+        half = len(ids) // 2
+        tokens, labels = ids[:half], ids[half:]
         if tokens.min().item() < 0:
             return False
         mask = torch.cat([f["loss_mask"] for f in fields]).to(labels.device)
