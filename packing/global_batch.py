@@ -79,9 +79,16 @@ def _token_id(name: str, value: Any, *, allow_negative: bool) -> int:
     return int(value)
 
 
-def _check_trained_labels(labels: torch.Tensor, loss_mask: torch.Tensor, name: str = "{key}") -> None:
-    """Raise where a negative label (an ignore index such as -100) is trained on (``loss_mask`` not 0); ``name``
-    formats a key as the message shows it."""
+def _check_values(tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor, name: str = "{key}") -> None:
+    """Raise where a token id is negative, or a negative label (an ignore index such as -100) is trained on
+    (``loss_mask`` not 0); ``name`` formats a key as the message shows it."""
+    negative = torch.nonzero(tokens < 0)
+    if negative.numel():
+        at = int(negative[0, 0])
+        raise BadSampleError(
+            f"{name.format(key='tokens')}[{at}]={int(tokens[at])}: token ids index the embedding on every slot, "
+            "padding included, so pass non-negative ids (mark ignored positions in labels/loss_mask, not in tokens)"
+        )
     trained = torch.nonzero((labels < 0) & (loss_mask.to(labels.device) != 0))
     if trained.numel():
         at = int(trained[0, 0])
@@ -123,13 +130,7 @@ def build_unpacked_sequence_sample(
             f"len(tokens)={length}, len(labels)={labels_t.numel()}, len(loss_mask)={mask_t.numel()}: "
             "pass labels and loss_mask aligned one-to-one with tokens"
         )
-    if bool((tokens_t < 0).any()):
-        at = int(torch.nonzero(tokens_t < 0)[0, 0])
-        raise BadSampleError(
-            f"tokens[{at}]={int(tokens_t[at])}: token ids index the embedding, so pass non-negative ids "
-            "(mark ignored positions in labels/loss_mask, not in tokens)"
-        )
-    _check_trained_labels(labels_t, mask_t)
+    _check_values(tokens_t, labels_t, mask_t)
     padded = -(-length // multiple) * multiple
     pad = padded - length
     device = tokens_t.device
@@ -194,14 +195,7 @@ def validate_unpacked_sample(sample: Mapping[str, Any], *, pad_to_multiple_of: i
             f"sample['original_seq_len']=[{original}]: set it to the real token count, between 1 and "
             f"padded_seq_len={padded}"
         )
-    negative = torch.nonzero(sample["tokens"] < 0)
-    if negative.numel():
-        at = int(negative[0, 0])
-        raise BadSampleError(
-            f"sample['tokens'][{at}]={int(sample['tokens'][at])}: token ids index the embedding on every slot, "
-            "padding included; use ids >= 0 and pad with a real id such as the tokenizer's pad or EOD id"
-        )
-    _check_trained_labels(sample["labels"], sample["loss_mask"], "sample[{key!r}]")
+    _check_values(sample["tokens"], sample["labels"], sample["loss_mask"], "sample[{key!r}]")
     if not torch.equal(sample["position_ids"].cpu(), torch.arange(length, dtype=torch.int64)):
         raise BadSampleError(f"sample['position_ids'] is not 0..{length - 1}: set it to torch.arange(L)")
     loss = torch.nonzero(sample["loss_mask"][original:])

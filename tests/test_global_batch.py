@@ -333,7 +333,7 @@ BAD_SAMPLES = [
         "negative-pad-token",
         lambda s: _replace("tokens", s["tokens"].index_fill(0, torch.tensor([7]), -1))(s),
         None,
-        ["sample['tokens'][7]=-1", "padding included", "ids >= 0"],
+        ["sample['tokens'][7]=-1", "padding included", "non-negative ids"],
     ),
     (
         "ignore-label-trained",
