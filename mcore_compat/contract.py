@@ -65,6 +65,7 @@ __all__ = [
     "LocalBatch",
     "Sample",
     "alignment_multiple",
+    "bad_value",
     "check_items",
     "collection_paused",
     "convert_items",
@@ -549,9 +550,6 @@ def _prepacked(raw: Mapping[str, Any], rank: int, index: int, limits: Limits) ->
     return samples, OK
 
 
-_VALUE_KEYS = tuple(SAMPLE_KEYS.index(key) for key in ("tokens", "labels"))
-
-
 def _values_in_range(samples: list[Sample]) -> bool:
     """Whether the whole step's token ids are >= 0 and its labels >= 0 wherever the loss mask trains them, read
     with one concatenation of the tokens and labels (and, where some label is negative, of the loss mask); False
@@ -571,16 +569,25 @@ def _values_in_range(samples: list[Sample]) -> bool:
         return False
 
 
-def _bad_values(raw: Mapping[str, Any], rank: int, index: int) -> list[int]:
-    """The first negative token id or negative trained label of one sample whose fields were checked, or ``OK``."""
-    tokens, labels, mask = (raw[key].reshape(-1) for key in ("tokens", "labels", "loss_mask"))
-    problems = (tokens < 0, (labels < 0) & (mask.to(labels.device) != 0))
-    for key_index, bad, value in zip(_VALUE_KEYS, problems, (tokens, labels), strict=True):
+def bad_value(tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> tuple[str, int, int] | None:
+    """The first negative token id, else the first negative label where ``loss_mask`` is not 0, of 1-D per-token
+    fields, as ``(key, offset, value)``; None where every value is in range."""
+    problems = (("tokens", tokens, tokens < 0), ("labels", labels, (labels < 0) & (loss_mask.to(labels.device) != 0)))
+    for key, value, bad in problems:
         hit = torch.nonzero(bad)
         if hit.numel():
             at = int(hit[0, 0])
-            return record(Problem.BAD_VALUE, rank, index, a=key_index, b=at, c=int(value[at]))
-    return OK
+            return key, at, int(value[at])
+    return None
+
+
+def _bad_values(raw: Mapping[str, Any], rank: int, index: int) -> list[int]:
+    """The :func:`bad_value` of one sample whose fields were checked, as a problem record, or ``OK``."""
+    found = bad_value(*(raw[key].reshape(-1) for key in ("tokens", "labels", "loss_mask")))
+    if found is None:
+        return OK
+    key, at, value = found
+    return record(Problem.BAD_VALUE, rank, index, a=SAMPLE_KEYS.index(key), b=at, c=value)
 
 
 def _values(samples: list[Sample], raw_samples: list[dict[str, Any]], rank: int) -> tuple[list[int], Exception | None]:

@@ -25,7 +25,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from mcore_compat.contract import LENGTH_KEYS, REQUIRED_SAMPLE_KEYS, SAMPLE_DTYPES, TOKEN_KEYS, alignment_multiple
+from mcore_compat.contract import (
+    LENGTH_KEYS,
+    REQUIRED_SAMPLE_KEYS,
+    SAMPLE_DTYPES,
+    TOKEN_KEYS,
+    alignment_multiple,
+    bad_value,
+)
 from mcore_compat.errors import BadSampleError, PackingConfigError
 
 __all__ = [
@@ -80,24 +87,22 @@ def _token_id(name: str, value: Any, *, allow_negative: bool) -> int:
 
 
 def _check_values(tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor, name: str = "{key}") -> None:
-    """Raise where a token id is negative, or a negative label (an ignore index such as -100) is trained on
-    (``loss_mask`` not 0); ``name`` formats a key as the message shows it."""
-    negative = torch.nonzero(tokens < 0)
-    if negative.numel():
-        at = int(negative[0, 0])
+    """Raise where :func:`mcore_compat.contract.bad_value` finds a negative token id or a trained negative label (an
+    ignore index such as -100 where ``loss_mask`` is not 0); ``name`` formats a key as the message shows it."""
+    found = bad_value(tokens, labels, loss_mask)
+    if found is None:
+        return
+    key, at, value = found
+    if key == "tokens":
         raise BadSampleError(
-            f"{name.format(key='tokens')}[{at}]={int(tokens[at])}: token ids index the embedding on every slot, "
-            "padding included, so pass non-negative ids (mark ignored positions in labels/loss_mask, not in tokens)"
+            f"{name.format(key='tokens')}[{at}]={value}: token ids index the embedding on every slot, padding "
+            "included, so pass non-negative ids (mark ignored positions in labels/loss_mask, not in tokens)"
         )
-    trained = torch.nonzero((labels < 0) & (loss_mask.to(labels.device) != 0))
-    if trained.numel():
-        at = int(trained[0, 0])
-        raise BadSampleError(
-            f"{name.format(key='labels')}[{at}]={int(labels[at])} is negative where "
-            f"{name.format(key='loss_mask')}[{at}] is not 0: Megatron-Core's cross entropy takes a target outside the "
-            "vocabulary as a zero logit (a silently wrong loss); set loss_mask to 0 wherever labels hold an ignore "
-            "index"
-        )
+    raise BadSampleError(
+        f"{name.format(key='labels')}[{at}]={value} is negative where {name.format(key='loss_mask')}[{at}] is not 0: "
+        "Megatron-Core's cross entropy takes a target outside the vocabulary as a zero logit (a silently wrong loss); "
+        "set loss_mask to 0 wherever labels hold an ignore index"
+    )
 
 
 def build_unpacked_sequence_sample(
