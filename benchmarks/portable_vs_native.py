@@ -5,7 +5,7 @@ Runs gloo ranks on CPU (one group per world size among ``--layouts``) against th
 checkout in ``$MCORE_SRC`` (dev or main pin, which have the native scheduler). For each layout, every
 step feeds the same samples to each backend on the same process groups: ``wrap`` then one fetch per
 returned microbatch (a "packing step"), in ``--repeats`` turns; in each turn the native variants run
-back to back (taking turns at going first), then the portable step. It prints, from this one run: the
+back to back (in each of their orders in turn), then the portable step. It prints, from this one run: the
 collectives each backend issued on rank 0 per step (counted by wrapping the ``torch.distributed``
 functions inside the ranks), the step wall time (slowest rank, median over the runs after the warm-up
 steps) and the ratio portable/native, and whether both backends returned identical microbatches on
@@ -38,6 +38,7 @@ import collections
 import dataclasses
 import functools
 import importlib
+import itertools
 import math
 import os
 import statistics
@@ -202,7 +203,10 @@ STEPS: dict[str, Callable[..., tuple[int, list]]] = {
 """Per backend, how one packing step runs: ``unchecked`` is the native path without the agreement and checks,
 ``gathered`` that path after one all-gather as large as the agreement's (what the extra collective alone costs)."""
 PAIRED = ("native", "unchecked", "gathered")
-"""The native variants compared with each other: run back to back in each turn, each going first in turn."""
+"""The native variants compared with each other: run back to back in each turn, in each of their orders in turn."""
+ORDERS = tuple(itertools.permutations(PAIRED))
+"""Every order of :data:`PAIRED`, taken in turn: each variant runs first, last, and right before each other one
+equally often (a rotation of three ran ``native`` right before ``unchecked`` in two turns of three)."""
 
 
 def _same(a: Sequence[tuple], b: Sequence[tuple]) -> bool:
@@ -247,8 +251,7 @@ def bench_on_rank(
                     record: dict[str, Any] = {"layout": str(case.layout), "step": step, "rank": rank}
                     outputs = {}
                     for turn in range(repeats):
-                        shift = (step * repeats + turn) % len(PAIRED)
-                        order = [*PAIRED[shift:], *PAIRED[:shift], "portable"]
+                        order = [*ORDERS[(step * repeats + turn) % len(ORDERS)], "portable"]
                         for name in order:
                             dist.barrier()
                             counter, phases = CollectiveCounter(), PhaseTimer()
