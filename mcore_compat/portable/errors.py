@@ -418,8 +418,9 @@ def describe(record: Sequence[int]) -> str:
             f"{_dtype_name(c)} (cast it when building the sample)"
         )
     if problem is Problem.BAD_SHAPE:
+        shape = "is a 0-d tensor (one value)" if b == 0 else f"has {b} dimensions (shape [{c}, ...])"
         return (
-            f"{where}: {_key(a)!r} has {b} dimensions with leading size {c}; per-token fields must be 1-D "
+            f"{where}: {_key(a)!r} {shape}; per-token fields must be 1-D "
             "(or [1, L] from a default collate with micro-batch size 1)"
         )
     if problem is Problem.LENGTH_MISMATCH:

@@ -204,6 +204,20 @@ def test_a_field_that_is_not_a_tensor_is_named_by_its_type(value, named):
     assert f"'tokens' {named}" in str(PortablePackingError(verdict))
 
 
+@pytest.mark.parametrize(
+    ("value", "named"),
+    [
+        (torch.tensor(5), "'tokens' is a 0-d tensor (one value)"),
+        (torch.zeros(2, 2, dtype=torch.int64), "'tokens' has 2 dimensions (shape [2, ...])"),
+        (torch.zeros(1, 1, 2, dtype=torch.int64), "'tokens' has 3 dimensions (shape [1, ...])"),
+    ],
+)
+def test_a_field_that_is_not_1d_is_named_by_its_shape(value, named):
+    verdict = read_step(iter([sample(2, tokens=value)]), 1, rank=0, cp_size=1).verdict
+    assert verdict[0] == Problem.BAD_SHAPE
+    assert named in str(PortablePackingError(verdict))
+
+
 @pytest.mark.parametrize("problem", list(Problem)[1:])
 def test_every_problem_has_a_message_that_names_a_fix(problem):
     message = str(PortablePackingError(record(problem, 1, 2, a=1, b=2, c=3)))
