@@ -43,6 +43,7 @@ from mcore_compat.errors import PackingConfigError
 from mcore_compat.portable.errors import (
     OK,
     SAMPLE_KEYS,
+    TENSOR_KINDS,
     ItemKind,
     LengthKind,
     Problem,
@@ -74,6 +75,7 @@ __all__ = [
     "read_step",
     "sample_form",
     "stage_source",
+    "without_data",
 ]
 
 TOKEN_FIELDS: tuple[tuple[str, torch.dtype], ...] = (
@@ -218,17 +220,40 @@ _STRIDED = torch.strided
 _TENSOR = torch.Tensor
 
 
+def _holds_elements(value: torch.Tensor) -> bool:
+    """Whether the storage behind a dense tensor holds every element the tensor views.
+
+    A freed storage (``untyped_storage().resize_(0)``, as FSDP-style memory reuse leaves a tensor) or a shrunk one
+    does not: torch then crashes the process (a segmentation fault in ``torch.cat``, comparisons, copies) or reads
+    past it.
+    """
+    if not value.numel():
+        return True
+    extent = sum((size - 1) * stride for size, stride in zip(value.shape, value.stride(), strict=True))
+    last = value.storage_offset() + extent
+    return value.untyped_storage().nbytes() >= (last + 1) * value.itemsize
+
+
 def _without_data(value: torch.Tensor) -> TensorKind | None:
-    """Why a tensor cannot be packed (no data on the meta device, nested, not dense, in an autograd graph), or None."""
+    """Why a tensor cannot be packed (no data on the meta device, nested, not dense, a storage that does not hold
+    its elements, in an autograd graph), or None."""
     if value.is_meta:
         return TensorKind.META
     if value.is_nested:
         return TensorKind.NESTED
     if value.layout is not _STRIDED:
         return TensorKind.LAYOUT
+    if type(value) is _TENSOR and not _holds_elements(value):
+        return TensorKind.UNALLOCATED
     if value.requires_grad:
         return TensorKind.REQUIRES_GRAD
     return None
+
+
+def without_data(value: torch.Tensor) -> str | None:
+    """Why a tensor cannot be a field of a sample (no data, not dense, in an autograd graph), in words, or None."""
+    kind = _without_data(value)
+    return None if kind is None else TENSOR_KINDS[kind]
 
 
 def _length(raw: Mapping[str, Any], key: str, rank: int, index: int) -> tuple[int | None, list[int]]:
@@ -265,14 +290,17 @@ def _length(raw: Mapping[str, Any], key: str, rank: int, index: int) -> tuple[in
 
 
 def _plain_field(value: Any, dtype: torch.dtype, shape: tuple[int]) -> bool:
-    """Whether a per-token field is a plain dense ``[L]`` tensor of its dtype (``requires_grad`` is the caller's to
-    check, where the dtype is a floating one: an integer tensor cannot require grad)."""
+    """Whether a per-token field is a plain dense contiguous ``[L]`` tensor of its dtype whose storage holds it
+    (:func:`_holds_elements`, read here without the strides; ``requires_grad`` is the caller's to check, where the
+    dtype is a floating one: an integer tensor cannot require grad)."""
     return (
         type(value) is _TENSOR
         and value.dtype is dtype
         and value.shape == shape
         and value.layout is _STRIDED
         and not value.is_meta
+        and value.is_contiguous()
+        and value.untyped_storage().nbytes() >= (value.storage_offset() + shape[0]) * value.itemsize
     )
 
 

@@ -32,6 +32,7 @@ from mcore_compat.contract import (
     TOKEN_KEYS,
     alignment_multiple,
     bad_value,
+    without_data,
 )
 from mcore_compat.errors import BadSampleError, PackingConfigError
 
@@ -69,6 +70,9 @@ def _as_1d(name: str, values: Sequence[Any] | torch.Tensor, dtype: torch.dtype) 
         ) from exc
     if tensor.dim() != 1:
         raise BadSampleError(f"{name} has shape {tuple(tensor.shape)}: pass one sequence as a 1-D list or tensor")
+    why = without_data(tensor)
+    if why is not None:
+        raise BadSampleError(f"{name} is {why}: pass one sequence as a 1-D list or a plain, detached tensor with data")
     if tensor.is_complex() or (
         dtype == torch.int64 and tensor.numel() and (tensor.is_floating_point() or tensor.dtype == torch.bool)
     ):
@@ -168,6 +172,9 @@ def validate_unpacked_sample(sample: Mapping[str, Any], *, pad_to_multiple_of: i
         value = sample[key]
         if not isinstance(value, torch.Tensor):
             raise BadSampleError(f"sample[{key!r}] is a {type(value).__name__}: make it a torch.Tensor; {_BUILD_HINT}")
+        why = without_data(value)
+        if why is not None:
+            raise BadSampleError(f"sample[{key!r}] is {why}: make it a plain, detached tensor with data; {_BUILD_HINT}")
         if value.dtype != SAMPLE_DTYPES[key]:
             raise BadSampleError(
                 f"sample[{key!r}].dtype={value.dtype}: convert it with .to({SAMPLE_DTYPES[key]}); {_BUILD_HINT}"

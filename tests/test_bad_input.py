@@ -121,6 +121,9 @@ CASES: list[tuple[BadInput, str, tuple[str, ...]]] = [
     ),
     (BadInput("labels -100 where loss_mask is 0", "ignore_label_untrained", index=-1), "ok", ()),
     (BadInput("padded length on the meta device", "padded_meta"), BAD, ("'padded_seq_len'", "meta-device")),
+    (BadInput("tokens with a freed storage", "tokens_freed"), BAD, ("'tokens'", "storage does not hold", "dense")),
+    (BadInput("loss_mask with a shrunk storage", "loss_mask_shrunk"), BAD, ("'loss_mask'", "storage does not hold")),
+    (BadInput("padded length with a freed storage", "padded_freed"), BAD, ("'padded_seq_len'", "storage does not")),
     (BadInput("original length on the meta device", "original_meta"), BAD, ("'original_seq_len'", "meta-device")),
     (BadInput("zero position_ids", "zero_positions"), BAD, ("position_ids[1]=0", "torch.arange")),
     (BadInput("shifted position_ids", "shifted_positions", dp_rank=0), BAD, ("position_ids[0]=1", "DP rank 0")),
@@ -172,6 +175,7 @@ CASES: list[tuple[BadInput, str, tuple[str, ...]]] = [
     ),
     (BadInput("missing key, dynamic CP", "drop_labels", dynamic_cp=True), BAD, ("DP rank 1", "'labels'")),
     (BadInput("tokens on the meta device, dynamic CP", "tokens_meta", dynamic_cp=True), BAD, ("'tokens'", "meta")),
+    (BadInput("tokens freed, dynamic CP", "tokens_freed", dynamic_cp=True), BAD, ("'tokens'", "storage does not")),
     (
         BadInput("capacity None", config=(("max_seqlen_per_dp_cp_rank", None),)),
         CONFIG,

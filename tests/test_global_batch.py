@@ -129,6 +129,13 @@ def test_build_accepts_tensors_of_other_dtypes() -> None:
     validate_unpacked_sample(built)
 
 
+def _freed(value: torch.Tensor) -> torch.Tensor:
+    """A copy of ``value`` whose storage was freed (``untyped_storage().resize_(0)``): torch crashes reading it."""
+    out = value.clone()
+    out.untyped_storage().resize_(0)
+    return out
+
+
 BAD_BUILD = [
     # tokens, labels, loss_mask, multiple, fragments
     ([], [], [], 4, ["tokens is empty", "drop empty sequences"]),
@@ -147,6 +154,10 @@ BAD_BUILD = [
     ([1, 2], [1, 2], [1j, 1], 4, ["loss_mask has dtype torch.complex64", "real numbers"]),
     ([1, -2, 3], [1, 2, 3], [1, 1, 1], 4, ["tokens[1]=-2", "non-negative ids", "labels/loss_mask"]),
     ([1, 2, 3], [1, -100, 3], [1, 1, 1], 4, ["labels[1]=-100 is negative where loss_mask[1] is not 0", "set loss"]),
+    (_freed(torch.arange(3)), [1, 2, 3], [1, 1, 1], 4, ["tokens is a tensor whose storage does not hold", "detached"]),
+    ([1, 2, 3], torch.ones(3, dtype=torch.int64, device="meta"), [1, 1, 1], 4, ["labels is a meta-device tensor"]),
+    ([1, 2, 3], [1, 2, 3], torch.ones(3, requires_grad=True), 4, ["loss_mask is a tensor that requires grad"]),
+    (torch.arange(3).to_sparse(), [1, 2, 3], [1, 1, 1], 4, ["tokens is a tensor that is not dense", "plain"]),
 ]
 
 
@@ -334,6 +345,24 @@ BAD_SAMPLES = [
         lambda s: _replace("tokens", s["tokens"].index_fill(0, torch.tensor([7]), -1))(s),
         None,
         ["sample['tokens'][7]=-1", "padding included", "non-negative ids"],
+    ),
+    (
+        "tokens-freed",
+        lambda s: _replace("tokens", _freed(s["tokens"]))(s),
+        None,
+        ["sample['tokens'] is a tensor whose storage does not hold its elements", "plain, detached tensor with data"],
+    ),
+    (
+        "padded-length-freed",
+        lambda s: _replace("padded_seq_len", _freed(s["padded_seq_len"]))(s),
+        None,
+        ["sample['padded_seq_len'] is a tensor whose storage does not hold its elements"],
+    ),
+    (
+        "loss-mask-requires-grad",
+        lambda s: _replace("loss_mask", s["loss_mask"].clone().requires_grad_())(s),
+        None,
+        ["sample['loss_mask'] is a tensor that requires grad", "detached"],
     ),
     (
         "ignore-label-trained",

@@ -137,6 +137,7 @@ class TensorKind(enum.IntEnum):
     NESTED = 3
     REQUIRES_GRAD = 4
     SUBCLASS = 5
+    UNALLOCATED = 6
 
 
 REFUSAL_KINDS: tuple[type[PackingError], ...] = (PackingConfigError, UnsupportedPinError)
@@ -264,12 +265,15 @@ _BOUNDS_PROBLEMS = {
 }
 
 
-_TENSOR_KINDS: dict[int, str] = {
+TENSOR_KINDS: dict[int, str] = {
     TensorKind.META: "a meta-device tensor (it holds no data)",
     TensorKind.LAYOUT: "a tensor that is not dense (its layout is not torch.strided, e.g. sparse)",
     TensorKind.NESTED: "a nested tensor",
     TensorKind.REQUIRES_GRAD: "a tensor that requires grad (part of an autograd graph)",
     TensorKind.SUBCLASS: "a torch.Tensor subclass (e.g. a MaskedTensor), which packing cannot concatenate or send",
+    TensorKind.UNALLOCATED: (
+        "a tensor whose storage does not hold its elements (freed, e.g. by untyped_storage().resize_(0), or shrunk)"
+    ),
 }
 
 
@@ -398,7 +402,7 @@ def describe(record: Sequence[int]) -> str:
             "as 1-D integer tensors from 0 to the token count, never decreasing"
         )
     if problem is Problem.NO_DATA:
-        what = _TENSOR_KINDS.get(b, "a tensor that cannot be packed")
+        what = TENSOR_KINDS.get(b, "a tensor that cannot be packed")
         if b == TensorKind.REQUIRES_GRAD:
             return f"{where}: {_key(a)!r} is {what}; build samples from data, e.g. pass {_key(a)}.detach()"
         return (
@@ -625,6 +629,7 @@ __all__ = [
     "REFUSAL_KINDS",
     "SAMPLE_KEYS",
     "SETTINGS_FIELDS",
+    "TENSOR_KINDS",
     "TensorKind",
     "VERDICT_WIDTH",
     "describe",

@@ -218,6 +218,27 @@ def test_a_field_that_is_not_1d_is_named_by_its_shape(value, named):
     assert named in str(PortablePackingError(verdict))
 
 
+@pytest.mark.parametrize("key", ["tokens", "labels", "loss_mask", "position_ids", "original_seq_len", "padded_seq_len"])
+@pytest.mark.parametrize("keep", [0, 1], ids=["freed", "shrunk"])
+def test_a_field_whose_storage_does_not_hold_it_is_refused_not_read(key, keep):
+    """torch crashes the process on most reads of a freed storage: the checks look at the storage size first."""
+    bad = sample(3, 4)
+    value = bad[key].clone()
+    value.untyped_storage().resize_(min(keep, value.numel() - 1) * value.itemsize)
+    verdict = read_step(iter([sample(4), {**bad, key: value}]), 2, rank=0, cp_size=1).verdict
+    assert verdict == record(Problem.NO_DATA, 0, 1, a=KEY(key), b=TensorKind.UNALLOCATED)
+    assert f"'{key}' is a tensor whose storage does not hold its elements" in str(PortablePackingError(verdict))
+
+
+def test_a_view_past_its_shrunk_storage_is_refused_and_a_view_within_it_is_not():
+    buffer = torch.arange(20, dtype=torch.int64)
+    tokens, within = buffer[10:14], buffer[2:6]
+    buffer.untyped_storage().resize_(8 * buffer.itemsize)  # holds elements 0..7: the first view reaches 13
+    verdict = read_step(iter([sample(4, tokens=tokens)]), 1, rank=0, cp_size=1).verdict
+    assert verdict == record(Problem.NO_DATA, 0, 0, a=KEY("tokens"), b=TensorKind.UNALLOCATED)
+    assert read_step(iter([sample(4, tokens=within)]), 1, rank=0, cp_size=1).verdict == OK
+
+
 @pytest.mark.parametrize("problem", list(Problem)[1:])
 def test_every_problem_has_a_message_that_names_a_fix(problem):
     message = str(PortablePackingError(record(problem, 1, 2, a=1, b=2, c=3)))
