@@ -372,8 +372,15 @@ _cpu_counting = _positions(1 << 16, _CPU)
 def _equal_in_place(value: torch.Tensor, start: int, reference: torch.Tensor, count: int) -> bool:
     """Whether ``value[start : start + count]`` holds the bytes of ``reference``'s first ``count`` elements (same
     dtype), compared in place (``memcmp``: several times faster than torch for short windows, and no copy for long
-    ones) where ``value`` is a contiguous plain CPU tensor; False where it cannot tell (torch decides then)."""
-    if _memcmp is None or type(value) is not torch.Tensor or not value.is_cpu or not value.is_contiguous():
+    ones) where ``value`` is a contiguous plain CPU tensor whose bytes are its values (no lazy negation, which a
+    ``torch._neg_view`` sets); False where it cannot tell (torch decides then)."""
+    if (
+        _memcmp is None
+        or type(value) is not torch.Tensor
+        or not value.is_cpu
+        or not value.is_contiguous()
+        or value.is_neg()
+    ):
         return False
     size = reference.itemsize
     return not _memcmp(value.data_ptr() + start * size, reference.data_ptr(), count * size)

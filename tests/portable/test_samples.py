@@ -259,6 +259,11 @@ POSITION_CASES = [
         record(Problem.BAD_POSITION_IDS, 0, 0, a=2, b=5, c=3),
     ),
     ([sample(3, position_ids=torch.tensor([0, 2, 1]))], record(Problem.BAD_POSITION_IDS, 0, 0, a=1, b=2, c=3)),
+    (  # a lazily negated view: its bytes count 0, 1, 2, its values 0, -1, -2
+        [sample(3, position_ids=torch._neg_view(torch.arange(3)))],
+        record(Problem.BAD_POSITION_IDS, 0, 0, a=1, b=-1, c=3),
+    ),
+    ([sample(2, 4, loss_mask=torch._neg_view(torch.tensor([1.0, 1.0, 0.0, 0.0])))], OK),  # -0.0 padding
     ([sample(3, position_ids=torch.tensor([-1, 1, 2]))], record(Problem.BAD_POSITION_IDS, 0, 0, a=0, b=-1, c=3)),
     (
         [sample(20000), sample(2, position_ids=torch.tensor([0, 1 << 40]))],
