@@ -101,7 +101,7 @@ def _lengths(sample: dict, original: Any = None, padded: Any = None) -> dict:
     return out
 
 
-def _released(value: torch.Tensor, keep: int = 0) -> torch.Tensor:
+def released(value: torch.Tensor, keep: int = 0) -> torch.Tensor:
     """A copy of ``value`` whose storage holds only its first ``keep`` elements (0: freed, as FSDP-style memory reuse
     leaves a tensor); torch crashes the process reading most such tensors."""
     out = value.clone()
@@ -261,7 +261,7 @@ def _random_field_defect(rng: random.Random, s: dict, capacity: int, align: int)
             changed[where] = rng.choice([-1, 0, 2, 10**6]) if key != "loss_mask" else rng.choice([-1.0, 2.0, 0.5])
         s[key] = changed
     else:
-        s[key] = rng.choice([value.as_subclass(_Subclass), value.to("meta"), _released(value, value.numel() // 2)])
+        s[key] = rng.choice([value.as_subclass(_Subclass), value.to("meta"), released(value, value.numel() // 2)])
     return s
 
 
@@ -426,9 +426,9 @@ def mutate(name: str, item: Any, capacity: int, align: int) -> Any:
             "loss_mask": s["loss_mask"].index_fill(0, torch.tensor([0]), 0.0),
         },
         "padded_meta": lambda: _lengths(s, padded=s["padded_seq_len"].to("meta")),
-        "tokens_freed": lambda: _per_token(s, _released, ("tokens",)),
-        "loss_mask_shrunk": lambda: _per_token(s, lambda v: _released(v, v.numel() // 2), ("loss_mask",)),
-        "padded_freed": lambda: _lengths(s, padded=_released(s["padded_seq_len"])),
+        "tokens_freed": lambda: _per_token(s, released, ("tokens",)),
+        "loss_mask_shrunk": lambda: _per_token(s, lambda v: released(v, v.numel() // 2), ("loss_mask",)),
+        "padded_freed": lambda: _lengths(s, padded=released(s["padded_seq_len"])),
         "original_meta": lambda: _lengths(s, original=s["original_seq_len"].to("meta")),
         "empty_prepacked_padded": lambda: {
             **{k: v[:0] for k, v in s.items() if not k.endswith("seq_len")},

@@ -24,6 +24,7 @@ from packing.global_batch import (
     make_unpacked_collate,
     validate_unpacked_sample,
 )
+from tests.bad_input_ranks import released
 from tests.conftest import CLONE_HINT
 
 REPO = Path(__file__).resolve().parents[1]
@@ -129,13 +130,6 @@ def test_build_accepts_tensors_of_other_dtypes() -> None:
     validate_unpacked_sample(built)
 
 
-def _freed(value: torch.Tensor) -> torch.Tensor:
-    """A copy of ``value`` whose storage was freed (``untyped_storage().resize_(0)``): torch crashes reading it."""
-    out = value.clone()
-    out.untyped_storage().resize_(0)
-    return out
-
-
 BAD_BUILD = [
     # tokens, labels, loss_mask, multiple, fragments
     ([], [], [], 4, ["tokens is empty", "drop empty sequences"]),
@@ -154,7 +148,13 @@ BAD_BUILD = [
     ([1, 2], [1, 2], [1j, 1], 4, ["loss_mask has dtype torch.complex64", "real numbers"]),
     ([1, -2, 3], [1, 2, 3], [1, 1, 1], 4, ["tokens[1]=-2", "non-negative ids", "labels/loss_mask"]),
     ([1, 2, 3], [1, -100, 3], [1, 1, 1], 4, ["labels[1]=-100 is negative where loss_mask[1] is not 0", "set loss"]),
-    (_freed(torch.arange(3)), [1, 2, 3], [1, 1, 1], 4, ["tokens is a tensor whose storage does not hold", "detached"]),
+    (
+        released(torch.arange(3)),
+        [1, 2, 3],
+        [1, 1, 1],
+        4,
+        ["tokens is a tensor whose storage does not hold", "detached"],
+    ),
     ([1, 2, 3], torch.ones(3, dtype=torch.int64, device="meta"), [1, 1, 1], 4, ["labels is a meta-device tensor"]),
     ([1, 2, 3], [1, 2, 3], torch.ones(3, requires_grad=True), 4, ["loss_mask is a tensor that requires grad"]),
     (torch.arange(3).to_sparse(), [1, 2, 3], [1, 1, 1], 4, ["tokens is a tensor that is not dense", "plain"]),
@@ -348,13 +348,13 @@ BAD_SAMPLES = [
     ),
     (
         "tokens-freed",
-        lambda s: _replace("tokens", _freed(s["tokens"]))(s),
+        lambda s: _replace("tokens", released(s["tokens"]))(s),
         None,
         ["sample['tokens'] is a tensor whose storage does not hold its elements", "plain, detached tensor with data"],
     ),
     (
         "padded-length-freed",
-        lambda s: _replace("padded_seq_len", _freed(s["padded_seq_len"]))(s),
+        lambda s: _replace("padded_seq_len", released(s["padded_seq_len"]))(s),
         None,
         ["sample['padded_seq_len'] is a tensor whose storage does not hold its elements"],
     ),

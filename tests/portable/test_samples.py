@@ -18,6 +18,7 @@ from mcore_compat.portable.errors import (
     record,
 )
 from mcore_compat.portable.samples import read_step
+from tests.bad_input_ranks import released
 
 
 def sample(length: int, padded: int | None = None, **overrides) -> dict:
@@ -223,8 +224,7 @@ def test_a_field_that_is_not_1d_is_named_by_its_shape(value, named):
 def test_a_field_whose_storage_does_not_hold_it_is_refused_not_read(key, keep):
     """torch crashes the process on most reads of a freed storage: the checks look at the storage size first."""
     bad = sample(3, 4)
-    value = bad[key].clone()
-    value.untyped_storage().resize_(min(keep, value.numel() - 1) * value.itemsize)
+    value = released(bad[key], min(keep, bad[key].numel() - 1))
     verdict = read_step(iter([sample(4), {**bad, key: value}]), 2, rank=0, cp_size=1).verdict
     assert verdict == record(Problem.NO_DATA, 0, 1, a=KEY(key), b=TensorKind.UNALLOCATED)
     assert f"'{key}' is a tensor whose storage does not hold its elements" in str(PortablePackingError(verdict))
