@@ -15,8 +15,12 @@ item is one sample dict or a list of them. A sample comes in one of two forms:
 
 Every sequence: at least one real token, ``original <= padded``, ``padded`` a multiple of
 :func:`alignment_multiple` and at most the bin capacity, ``position_ids`` ``0 .. original - 1`` over
-its real tokens. Token ids are ``>= 0`` on every slot (padding too: the embedding reads each one) and labels ``>= 0``
-wherever ``loss_mask`` is not 0 (an ignore index such as -100 only where it is 0). Every tensor is dense data
+its real tokens. Token ids are ``>= 0`` on every real slot and labels ``>= 0`` wherever ``loss_mask`` is not 0 (an
+ignore index such as -100 only where it is 0). Padding slots may hold any id and position: every path writes 0 over
+them before the model reads them (Megatron-Core's fetch from G5 and M2 on, the facade's conversion to pre-packed
+samples before, the portable backend's microbatches); only where the generation table says padding reaches the model
+(:attr:`~mcore_compat.generations.Generation.padding_reaches_model`, :attr:`Limits.padding_reaches_model`) are its
+token ids checked like real ones. Every tensor is dense data
 (strided, not on the meta device, not requiring grad). Extra keys are allowed and ignored. With virtual pipeline
 stages ``data_iterator`` is a list of one iterator (or None) per stage, as Megatron-Core takes it
 (:func:`stage_source`).
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import itertools
 import math
 import struct
 from collections.abc import Callable, Iterator, Mapping
@@ -53,6 +58,7 @@ from mcore_compat.portable.errors import (
     record,
     value_type,
 )
+from mcore_compat.thd import padding_mask
 
 __all__ = [
     "LENGTH_KEYS",
@@ -121,10 +127,12 @@ def alignment_multiple(*, dynamic_cp: bool, dp: int, cp: int, tp: int, sequence_
 
 @dataclass(frozen=True)
 class Limits:
-    """What one step's sequences must fit: the padded-length multiple and the bin capacity (None: unchecked)."""
+    """What one step's sequences must fit: the padded-length multiple, the bin capacity (None: unchecked), and
+    whether their padding slots reach the model as given (then token ids there must be valid too)."""
 
     align: int = 1
     capacity: int | None = None
+    padding_reaches_model: bool = False
 
 
 @dataclass(slots=True)
@@ -585,10 +593,11 @@ def _prepacked(raw: Mapping[str, Any], rank: int, index: int, limits: Limits) ->
     return samples, OK
 
 
-def _values_in_range(samples: list[Sample]) -> bool:
-    """Whether the whole step's token ids are >= 0 and its labels >= 0 wherever the loss mask trains them, read
-    with one concatenation of the tokens and labels (and, where some label is negative, of the loss mask); False
-    also where it cannot tell (fields on several devices): :func:`_bad_values` then reads each sample."""
+def _values_in_range(samples: list[Sample], limits: Limits) -> bool:
+    """Whether the whole step's token ids are >= 0 (on real slots, or on every slot where padding reaches the model)
+    and its labels >= 0 wherever the loss mask trains them, read with one concatenation of the tokens and labels
+    (and, where some id is negative, of the loss mask or the real slots); False also where it cannot tell (fields on
+    several devices): :func:`_bad_values` then reads each sample."""
     fields = [sample.fields for sample in samples]
     try:
         ids = torch.cat([f["tokens"] for f in fields] + [f["labels"] for f in fields])
@@ -597,17 +606,34 @@ def _values_in_range(samples: list[Sample]) -> bool:
         half = len(ids) // 2
         tokens, labels = ids[:half], ids[half:]
         if tokens.min().item() < 0:
-            return False
+            if limits.padding_reaches_model:
+                return False
+            real = ~padding_mask(*_step_bounds(samples, tokens.device))
+            if bool((tokens[real] < 0).any()):
+                return False
         mask = torch.cat([f["loss_mask"] for f in fields]).to(labels.device)
         return not bool(((labels < 0) & (mask != 0)).any())
     except RuntimeError:
         return False
 
 
-def bad_value(tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> tuple[str, int, int] | None:
-    """The first negative token id, else the first negative label where ``loss_mask`` is not 0, of 1-D per-token
-    fields, as ``(key, offset, value)``; None where every value is in range."""
-    problems = (("tokens", tokens, tokens < 0), ("labels", labels, (labels < 0) & (loss_mask.to(labels.device) != 0)))
+def _step_bounds(samples: list[Sample], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cu_seqlens`` and ``cu_seqlens_padded`` of the step's sequences back to back."""
+    real = [0, *itertools.accumulate(s.original for s in samples)]
+    padded = [0, *itertools.accumulate(s.padded for s in samples)]
+    return torch.tensor(real, device=device), torch.tensor(padded, device=device)
+
+
+def bad_value(
+    tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor, padding: torch.Tensor | None = None
+) -> tuple[str, int, int] | None:
+    """The first negative token id (outside ``padding``, a mask of the slots the model never reads), else the first
+    negative label where ``loss_mask`` is not 0, of 1-D per-token fields, as ``(key, offset, value)``; None where
+    every value is in range."""
+    negative = tokens < 0
+    if padding is not None:
+        negative &= ~padding.to(tokens.device)
+    problems = (("tokens", tokens, negative), ("labels", labels, (labels < 0) & (loss_mask.to(labels.device) != 0)))
     for key, value, bad in problems:
         hit = torch.nonzero(bad)
         if hit.numel():
@@ -616,23 +642,38 @@ def bad_value(tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tenso
     return None
 
 
-def _bad_values(raw: Mapping[str, Any], rank: int, index: int) -> list[int]:
+def _sample_padding(raw: Mapping[str, Any]) -> torch.Tensor | None:
+    """The padding slots of a checked sample's buffer (None: it has none)."""
+    if sample_form(raw) == "unpacked":
+        padded = int(raw["padded_seq_len"].reshape(()).item())
+        original = int(raw["original_seq_len"].reshape(()).item()) if "original_seq_len" in raw else padded
+        return torch.arange(padded) >= original
+    if "cu_seqlens_padded" not in raw:
+        return None
+    return padding_mask(raw["cu_seqlens"].reshape(-1).cpu(), raw["cu_seqlens_padded"].reshape(-1).cpu())
+
+
+def _bad_values(raw: Mapping[str, Any], rank: int, index: int, limits: Limits) -> list[int]:
     """The :func:`bad_value` of one sample whose fields were checked, as a problem record, or ``OK``."""
-    found = bad_value(*(raw[key].reshape(-1) for key in ("tokens", "labels", "loss_mask")))
+    padding = None if limits.padding_reaches_model else _sample_padding(raw)
+    tokens, labels, loss_mask = (raw[key].reshape(-1) for key in ("tokens", "labels", "loss_mask"))
+    found = bad_value(tokens, labels, loss_mask, padding)
     if found is None:
         return OK
     key, at, value = found
     return record(Problem.BAD_VALUE, rank, index, a=SAMPLE_KEYS.index(key), b=at, c=value)
 
 
-def _values(samples: list[Sample], raw_samples: list[dict[str, Any]], rank: int) -> tuple[list[int], Exception | None]:
+def _values(
+    samples: list[Sample], raw_samples: list[dict[str, Any]], rank: int, limits: Limits
+) -> tuple[list[int], Exception | None]:
     """``OK`` where every token id and trained label of the step is in range (:func:`_values_in_range`), else the
     first sample's problem (and what reading it raised, reported as for any check)."""
-    if not samples or _values_in_range(samples):
+    if not samples or _values_in_range(samples, limits):
         return OK, None
     for index, raw in enumerate(raw_samples):
         try:
-            verdict = _bad_values(raw, rank, index)
+            verdict = _bad_values(raw, rank, index, limits)
         except Exception as exc:  # noqa: BLE001 - reported on every rank, re-raised here as the cause
             return _check_failure(raw, rank, index, exc), exc
         if verdict != OK:
@@ -685,7 +726,7 @@ def check_items(items: list[Any], rank: int, limits: Limits) -> tuple[list[Sampl
             return [], record(Problem.CHECK_FAILED, rank, index, a=exception_index(exc)), exc, False
     samples = _leading_plain(raw_samples, limits)
     if len(samples) == len(raw_samples):
-        verdict, cause = _values(samples, raw_samples, rank)
+        verdict, cause = _values(samples, raw_samples, rank, limits)
         return (samples, OK, None, True) if verdict == OK else ([], verdict, cause, False)
     first_form = "unpacked" if samples else None
     plain = False
@@ -709,7 +750,7 @@ def check_items(items: list[Any], rank: int, limits: Limits) -> tuple[list[Sampl
         if verdict != OK:
             return [], verdict, None, False
         samples.extend(found)
-    verdict, cause = _values(samples, raw_samples, rank)
+    verdict, cause = _values(samples, raw_samples, rank, limits)
     return (samples if verdict == OK else []), verdict, cause, plain
 
 

@@ -176,6 +176,11 @@ class Generation:
     (dev from G3 reads it only while ``local_cp_size`` is set)."""
     model_follows_microbatch_cp_group: tuple[ModelComponent, ...] = ()
     """Model components that run on ``packed_seq_params.cp_group`` from the generation's first commit."""
+    fetch_sanitises_padding: bool | None = None
+    """Whether MCore's packed fetch writes 0 over every padding slot of ``tokens``, ``labels``, ``position_ids`` and
+    ``loss_mask`` (from ``cu_seqlens`` against ``cu_seqlens_padded``) before anything reads them: dev from G5, main
+    from M2 (``_sanitize_thd_padding_values``); False where it hands padding on as given (G2-G4b); None without a fetch
+    of MCore's own, or for a shape no row describes."""
     dp_balanced_first_bin_donates: bool | None = None
     """Whether MCore's ``dp_balanced``, rounding its bin count up to a multiple of DP (x the VPP microbatch group),
     may split sequences off the first bin: dev (``assert i >= 0``) may, main (``assert i > 0``) stops before it and
@@ -185,6 +190,18 @@ class Generation:
     def native_scheduler(self) -> bool:
         """Whether MCore itself ships ``wrap_data_iterator`` and the packed fetch."""
         return _NATIVE <= self.requires
+
+    @property
+    def padding_reaches_model(self) -> bool:
+        """Whether the values of a sample's padding slots reach the model unchanged through the facade.
+
+        Only on a native scheduler that takes unpacked samples as they are and whose fetch does not overwrite
+        padding (no row yet; assumed for a shape no row describes). Where the scheduler takes only pre-packed
+        samples the facade converts them and writes 0 over padding (:func:`mcore_compat.contract.convert_items`),
+        and the portable backend's microbatches hold 0 there, as the newest fetch makes them.
+        """
+        unpacked = "unpacked" in (self.sample_forms or ())
+        return self.native_scheduler and unpacked and self.fetch_sanitises_padding is not True
 
     @property
     def runs_dynamic_cp_natively(self) -> bool:
@@ -210,6 +227,7 @@ def _dev(
     feeds_mtp: bool = True,
     forms: tuple[SampleForm, ...] = _BOTH_FORMS,
     follows: tuple[ModelComponent, ...] = MODEL_COMPONENTS,
+    sanitises: bool = True,
 ) -> Generation:
     dynamic = "dynamic_cp" in keywords
     return Generation(
@@ -231,6 +249,7 @@ def _dev(
         dynamic_cp_group_getter=_DYNAMIC_GETTER,
         dynamic_cp_schedulers=("default_dynamic_cp",) if dynamic else (),
         model_follows_microbatch_cp_group=follows,
+        fetch_sanitises_padding=sanitises,
         dp_balanced_first_bin_donates=True,
     )
 
@@ -285,6 +304,7 @@ _ROWS = (
         dynamic_cp_group_getter=_HYBRID_GETTER,
         schedule_diverts_on="hybrid_context_parallel",
         bound_cp_group_switches_attention=True,
+        fetch_sanitises_padding=True,
     ),
     Generation(
         "M3",
@@ -302,6 +322,7 @@ _ROWS = (
         dynamic_cp_group_getter=_HYBRID_GETTER,
         schedule_diverts_on="hybrid_context_parallel",
         bound_cp_group_switches_attention=True,
+        fetch_sanitises_padding=True,
         dp_balanced_first_bin_donates=False,
     ),
     Generation(
@@ -321,6 +342,7 @@ _ROWS = (
         dynamic_cp_group_getter=_HYBRID_GETTER,
         schedule_diverts_on="hybrid_context_parallel",
         bound_cp_group_switches_attention=True,
+        fetch_sanitises_padding=False,
         dp_balanced_first_bin_donates=True,
     ),
     Generation(
@@ -340,6 +362,7 @@ _ROWS = (
         dynamic_cp_group_getter=_DYNAMIC_GETTER,
         schedule_diverts_on="dynamic_context_parallel",
         model_follows_microbatch_cp_group=("attention",),
+        fetch_sanitises_padding=False,
         dp_balanced_first_bin_donates=True,
     ),
     _dev(
@@ -355,6 +378,7 @@ _ROWS = (
         feeds_mtp=False,
         forms=("packed",),
         follows=("attention", "te_cp_stream", "mtp", "mamba"),
+        sanitises=False,
     ),
     _dev(
         "G4b",
@@ -366,6 +390,7 @@ _ROWS = (
         keywords=("dynamic_cp",),
         forms=("packed",),
         follows=("attention", "te_cp_stream", "mla", "mtp", "mamba"),
+        sanitises=False,
     ),
     _dev(
         "G5",

@@ -1,8 +1,18 @@
-"""Pure-torch THD zigzag context-parallel partition (what Transformer Engine's CUDA kernel computes)."""
+"""THD helpers in pure torch: the padding slots of a packed stream, and the zigzag context-parallel partition (what
+Transformer Engine's CUDA kernel computes)."""
 
 from __future__ import annotations
 
 import torch
+
+
+def padding_mask(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor) -> torch.Tensor:
+    """True on every packed slot past its sequence's real length (before any CP split)."""
+    starts = cu_seqlens_padded[:-1].to(torch.int64)
+    padded = cu_seqlens_padded[1:].to(torch.int64) - starts
+    real = cu_seqlens[1:].to(torch.int64) - cu_seqlens[:-1].to(torch.int64)
+    offset = torch.arange(int(padded.sum()), device=cu_seqlens.device) - starts.repeat_interleave(padded)
+    return offset >= real.repeat_interleave(padded)
 
 
 def thd_partitioned_indices(
@@ -39,5 +49,6 @@ def thd_partitioned_indices(
 
 
 __all__ = [
+    "padding_mask",
     "thd_partitioned_indices",
 ]

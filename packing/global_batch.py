@@ -81,26 +81,32 @@ def _as_1d(name: str, values: Sequence[Any] | torch.Tensor, dtype: torch.dtype) 
     return tensor.to(dtype)
 
 
-def _token_id(name: str, value: Any, *, allow_negative: bool) -> int:
-    """An int64 id to pad with: a Python or numpy integer (not a bool), non-negative where it is embedded."""
-    lowest = -(2**63) if allow_negative else 0
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or not lowest <= value < 2**63:
-        kind = "an int64 id" if allow_negative else "a non-negative int64 token id (it is embedded)"
-        raise PackingConfigError(f"{name}={value!r:.60}: pass {kind}")
+def _pad_id(name: str, value: Any) -> int:
+    """An int64 id to pad with: a Python or numpy integer (not a bool); any value, as padding is never embedded."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or not -(2**63) <= value < 2**63:
+        raise PackingConfigError(f"{name}={value!r:.60}: pass an int64 id")
     return int(value)
 
 
-def _check_values(tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor, name: str = "{key}") -> None:
-    """Raise where :func:`mcore_compat.contract.bad_value` finds a negative token id or a trained negative label (an
-    ignore index such as -100 where ``loss_mask`` is not 0); ``name`` formats a key as the message shows it."""
-    found = bad_value(tokens, labels, loss_mask)
+def _check_values(
+    tokens: torch.Tensor,
+    labels: torch.Tensor,
+    loss_mask: torch.Tensor,
+    name: str = "{key}",
+    original: int | None = None,
+) -> None:
+    """Raise where :func:`mcore_compat.contract.bad_value` finds a negative token id among the first ``original``
+    (the real tokens; None: all) or a trained negative label (an ignore index such as -100 where ``loss_mask`` is not
+    0); ``name`` formats a key as the message shows it. Padding may hold any id: every pin writes 0 over it."""
+    padding = None if original is None else torch.arange(tokens.numel()) >= original
+    found = bad_value(tokens, labels, loss_mask, padding)
     if found is None:
         return
     key, at, value = found
     if key == "tokens":
         raise BadSampleError(
-            f"{name.format(key='tokens')}[{at}]={value}: token ids index the embedding on every slot, padding "
-            "included, so pass non-negative ids (mark ignored positions in labels/loss_mask, not in tokens)"
+            f"{name.format(key='tokens')}[{at}]={value}: real token ids index the embedding, so pass non-negative "
+            "ids (mark ignored positions in labels/loss_mask, not in tokens)"
         )
     raise BadSampleError(
         f"{name.format(key='labels')}[{at}]={value} is negative where {name.format(key='loss_mask')}[{at}] is not 0: "
@@ -121,13 +127,13 @@ def build_unpacked_sequence_sample(
     """One contract-conforming sample, padded up to a multiple of ``pad_to_multiple_of``.
 
     Tokens are padded with ``pad_token_id``, labels with ``ignore_label_id`` (``pad_token_id`` when
-    None) and ``loss_mask`` with 0; ``position_ids`` run ``0 .. L-1`` over the padded length.
+    None) and ``loss_mask`` with 0; ``position_ids`` run ``0 .. L-1`` over the padded length. Any id may
+    pad (-1, -100, a tokenizer's pad id): every pin writes 0 over padding before the model reads it, unless
+    :func:`fold_alignment_padding` makes it real tokens.
     """
     multiple = _positive_int("pad_to_multiple_of", pad_to_multiple_of)
-    pad_id = _token_id("pad_token_id", pad_token_id, allow_negative=False)
-    label_pad = pad_id
-    if ignore_label_id is not None:
-        label_pad = _token_id("ignore_label_id", ignore_label_id, allow_negative=True)
+    pad_id = _pad_id("pad_token_id", pad_token_id)
+    label_pad = pad_id if ignore_label_id is None else _pad_id("ignore_label_id", ignore_label_id)
     tokens_t = _as_1d("tokens", tokens, torch.int64)
     labels_t = _as_1d("labels", labels, torch.int64)
     mask_t = _as_1d("loss_mask", loss_mask, torch.float32)
@@ -207,9 +213,11 @@ def validate_unpacked_sample(sample: Mapping[str, Any], *, pad_to_multiple_of: i
             f"sample['original_seq_len']=[{original}]: set it to the real token count, between 1 and "
             f"padded_seq_len={padded}"
         )
-    _check_values(sample["tokens"], sample["labels"], sample["loss_mask"], "sample[{key!r}]")
-    if not torch.equal(sample["position_ids"].cpu(), torch.arange(length, dtype=torch.int64)):
-        raise BadSampleError(f"sample['position_ids'] is not 0..{length - 1}: set it to torch.arange(L)")
+    _check_values(sample["tokens"], sample["labels"], sample["loss_mask"], "sample[{key!r}]", original)
+    if not torch.equal(sample["position_ids"][:original].cpu(), torch.arange(original, dtype=torch.int64)):
+        raise BadSampleError(
+            f"sample['position_ids'] is not 0..{original - 1} over the real tokens: set it to torch.arange(L)"
+        )
     loss = torch.nonzero(sample["loss_mask"][original:])
     if loss.numel():
         at = original + int(loss[0, 0])
@@ -241,9 +249,25 @@ def fold_alignment_padding(sample: Mapping[str, Any]) -> UnpackedSample:
             f"sample['padded_seq_len'] is a {type(sample['padded_seq_len']).__name__}: make it a torch.Tensor; "
             f"{_BUILD_HINT}"
         )
+    _check_folded_padding(sample)
     folded = dict(sample)
     folded["original_seq_len"] = sample["padded_seq_len"].clone()
     return folded
+
+
+def _check_folded_padding(sample: Mapping[str, Any]) -> None:
+    """Refuse a negative id in the padding that folding turns into real tokens (the embedding then reads it)."""
+    tokens, original = sample.get("tokens"), sample.get("original_seq_len")
+    if not isinstance(tokens, torch.Tensor) or not isinstance(original, torch.Tensor) or original.numel() != 1:
+        return
+    start = int(original.reshape(()).item())
+    negative = torch.nonzero(tokens.reshape(-1)[start:] < 0)
+    if negative.numel():
+        at = start + int(negative[0, 0])
+        raise BadSampleError(
+            f"sample['tokens'][{at}]={int(tokens.reshape(-1)[at])} is negative padding that folding makes a real "
+            "token (the embedding reads it): pad with a vocabulary id such as the tokenizer's pad or EOD id"
+        )
 
 
 def identity_collate(batch: Sequence[Any]) -> list[Any]:

@@ -109,6 +109,12 @@ def released(value: torch.Tensor, keep: int = 0) -> torch.Tensor:
     return out
 
 
+def _padded_with(sample: dict, value: int) -> dict:
+    """``sample`` with ``value`` in every padding slot of its tokens, labels and position ids (loss mask 0 there)."""
+    padding = torch.arange(int(sample["padded_seq_len"])) >= int(sample["original_seq_len"])
+    return {**sample, **{key: sample[key].masked_fill(padding, value) for key in ("tokens", "labels", "position_ids")}}
+
+
 def _oversize(sample: dict, capacity: int) -> dict:
     long = dict(sample)
     for key in ("tokens", "labels", "position_ids"):
@@ -323,6 +329,8 @@ def mutate(name: str, item: Any, capacity: int, align: int) -> Any:
     """The item with defect ``name`` (one unpacked sample dict); ``random:<seed>``: :func:`random_defect`."""
     if name.startswith("random:"):
         return random_defect(int(name.removeprefix("random:")), item, capacity, align)
+    if name.startswith("pad_ids:"):
+        return _padded_with(item, int(name.removeprefix("pad_ids:")))
     s = item
     n = int(s["padded_seq_len"]) if isinstance(s, dict) and "padded_seq_len" in s else 0
     table: dict[str, Callable[[], Any]] = {
@@ -414,7 +422,6 @@ def mutate(name: str, item: Any, capacity: int, align: int) -> Any:
         },
         "subclass_labels": lambda: {**s, "labels": s["labels"].as_subclass(_Subclass)},
         "negative_token": lambda: {**s, "tokens": torch.cat((s["tokens"][:1] * 0 - 1, s["tokens"][1:]))},
-        "negative_pad_token": lambda: {**s, "tokens": torch.cat((s["tokens"][:-1], s["tokens"][-1:] * 0 - 7))},
         "ignore_label_trained": lambda: {
             **s,
             "labels": torch.cat((s["labels"][:1] * 0 - 100, s["labels"][1:])),

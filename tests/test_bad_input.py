@@ -43,6 +43,10 @@ STATIC_THD_MAX = (
 )
 """The same, padded to ``max_seqlen_per_dp_cp_rank`` with the tail added to the last sequence."""
 
+PAD_IDS = (0, -1, -100, 2**40)
+"""Ids in every padding slot (tokens, labels, position ids) of every sample: what real pipelines pad with. Every pin
+writes 0 over padding before the model reads it, so each step fetches the microbatches of zero padding."""
+
 BAD = "BadSampleError"
 CONFIG = "PackingConfigError"
 FIRST_BIN = "refused where dp_balanced never splits its first bin"
@@ -113,7 +117,9 @@ CASES: list[tuple[BadInput, str, tuple[str, ...]]] = [
         ("context-parallel siblings disagree", "tokens, labels or loss mask differ"),
     ),
     (BadInput("negative token id", "negative_token"), BAD, ("DP rank 1", "sample 1", "tokens[0]=-1", "ids >= 0")),
-    (BadInput("negative token id on padding", "negative_pad_token", dp_rank=0), BAD, ("=-7", "padding included")),
+    *((BadInput(f"padding ids {pad}", f"pad_ids:{pad}", index=-1, dp_rank=None), "ok", ()) for pad in PAD_IDS),
+    (BadInput("padding ids -100, dynamic CP", "pad_ids:-100", index=-1, dp_rank=None, dynamic_cp=True), "ok", ()),
+    (BadInput("padding ids 0, dynamic CP", "pad_ids:0", index=-1, dp_rank=None, dynamic_cp=True), "ok", ()),
     (
         BadInput("label -100 trained on", "ignore_label_trained", index=0),
         BAD,
@@ -692,6 +698,19 @@ def test_a_random_case_ends_alike_on_every_rank(outcomes: dict, case: BadInput, 
     elif kind != "skipped":  # a dynamic-CP case on a pin without dynamic CP
         assert all(getattr(o, error) for o in ranks), (kind, message)
     assert max(o.seconds for o in ranks) < SECONDS
+
+
+@pytest.mark.parametrize("case", [*(f"padding ids {pad}" for pad in PAD_IDS[1:]), "padding ids -100, dynamic CP"])
+def test_any_padding_id_fetches_the_microbatches_of_zero_padding(outcomes: dict, case: str):
+    """Padding follows the pin: each rank ends as with 0 in every padding slot and fetches the same microbatches (the
+    zero-padding case itself must pack: its row of the table)."""
+    zero = "padding ids 0, dynamic CP" if "dynamic" in case else "padding ids 0"
+    ranks, reference = outcomes["runs"][case], outcomes["runs"][zero]
+    assert len(ranks) == len(reference) == outcomes["world"]
+    for got, ref in zip(ranks, reference, strict=True):
+        assert (got.kind, got.message) == (ref.kind, ref.message), f"rank {got.rank}: {got.message}"
+        assert got.fetched == ref.fetched, f"rank {got.rank} fetched other microbatches than with zero padding"
+    assert any(o.fetched for o in ranks) or ranks[0].kind != "ok"
 
 
 def test_a_fetch_after_the_last_microbatch_raises_stop_iteration_on_every_rank(outcomes: dict):

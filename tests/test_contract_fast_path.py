@@ -113,13 +113,14 @@ def test_negative_zero_on_padding_is_no_loss_on_either_path(monkeypatch):
 
 
 VALUE_DEFECTS = [
-    # (where, key, value, loss_mask there or None to keep it, expected key of the record or None: in range)
-    ("real", "tokens", -1, None, "tokens"),
-    ("padding", "tokens", -3, None, "tokens"),
-    ("real", "labels", -100, 1.0, "labels"),
-    ("real", "labels", -100, 0.0, None),
-    ("padding", "labels", -100, None, None),
-    ("real", "tokens", 0, None, None),
+    # (where, key, value, loss_mask there or None to keep it, expected key of the record or None: in range,
+    #  the same where padding reaches the model)
+    ("real", "tokens", -1, None, "tokens", "tokens"),
+    ("padding", "tokens", -3, None, None, "tokens"),
+    ("real", "labels", -100, 1.0, "labels", "labels"),
+    ("real", "labels", -100, 0.0, None, None),
+    ("padding", "labels", -100, None, None, None),
+    ("real", "tokens", 0, None, None, None),
 ]
 
 
@@ -128,11 +129,16 @@ def _slot(sample: dict, where: str) -> int:
     return original - 1 if where == "real" else padded - 1
 
 
-@pytest.mark.parametrize(("where", "key", "value", "mask", "named"), VALUE_DEFECTS)
+@pytest.mark.parametrize(("where", "key", "value", "mask", "named", "named_if_reaches"), VALUE_DEFECTS)
 @pytest.mark.parametrize("layout", ["plain", "prepacked"])
-def test_token_ids_and_trained_labels_must_not_be_negative(where, key, value, mask, named, layout, monkeypatch):
+@pytest.mark.parametrize("reaches", [False, True], ids=["padding-overwritten", "padding-reaches"])
+def test_token_ids_and_trained_labels_must_not_be_negative(
+    where, key, value, mask, named, named_if_reaches, layout, reaches, monkeypatch
+):
     """The step-wide check and the per-sample search agree, name the field, the offset in the sample's buffer and
-    the value; -100 labels are fine wherever loss_mask is 0."""
+    the value; -100 labels are fine wherever loss_mask is 0; token ids in padding only where it reaches the model."""
+    limits = Limits(ALIGN, CAPACITY, padding_reaches_model=reaches)
+    named = named_if_reaches if reaches else named
     items = _items(None)
     index = next(i for i, s in enumerate(items) if int(s["original_seq_len"]) < int(s["padded_seq_len"]))
     sample = items[index] = {k: v.clone() for k, v in items[index].items()}
@@ -142,12 +148,12 @@ def test_token_ids_and_trained_labels_must_not_be_negative(where, key, value, ma
         sample["loss_mask"][at] = mask
     if layout == "prepacked":
         items = [mutate("prepacked", s, CAPACITY, ALIGN) for s in items]
-    verdict = check_items(items, 0, Limits(ALIGN, CAPACITY))[1]
+    verdict = check_items(items, 0, limits)[1]
     if named is None:
         assert verdict == contract.OK
     else:
         assert verdict == record(Problem.BAD_VALUE, 0, index, a=SAMPLE_KEYS.index(named), b=at, c=value)
         message = describe(verdict)
         assert f"{named}[{at}]={value}" in message and f"sample {index}" in message
-    monkeypatch.setattr(contract, "_values_in_range", lambda samples: False)
-    assert check_items(items, 0, Limits(ALIGN, CAPACITY))[1] == verdict
+    monkeypatch.setattr(contract, "_values_in_range", lambda samples, limits: False)
+    assert check_items(items, 0, limits)[1] == verdict

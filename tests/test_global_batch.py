@@ -146,7 +146,7 @@ BAD_BUILD = [
     ([1, 2], None, [1, 1], 4, ["labels=None is not a sequence of numbers", "1-D list or tensor"]),
     ([1, 2], [1, 2], [10**30, 1], 4, ["loss_mask=[10", "is not a sequence of numbers"]),
     ([1, 2], [1, 2], [1j, 1], 4, ["loss_mask has dtype torch.complex64", "real numbers"]),
-    ([1, -2, 3], [1, 2, 3], [1, 1, 1], 4, ["tokens[1]=-2", "non-negative ids", "labels/loss_mask"]),
+    ([1, -2, 3], [1, 2, 3], [1, 1, 1], 4, ["tokens[1]=-2", "real token ids", "non-negative ids", "labels/loss_mask"]),
     ([1, 2, 3], [1, -100, 3], [1, 1, 1], 4, ["labels[1]=-100 is negative where loss_mask[1] is not 0", "set loss"]),
     (
         released(torch.arange(3)),
@@ -173,11 +173,11 @@ def test_build_rejects_bad_input(
 
 BAD_PAD_IDS = [
     # keyword, value, fragments (the builder pads tokens with pad_token_id and labels with ignore_label_id)
-    ("pad_token_id", None, ["pad_token_id=None", "non-negative int64 token id"]),
-    ("pad_token_id", -1, ["pad_token_id=-1", "non-negative int64 token id (it is embedded)"]),
-    ("pad_token_id", 2.0, ["pad_token_id=2.0", "non-negative int64 token id"]),
-    ("pad_token_id", True, ["pad_token_id=True", "non-negative int64 token id"]),
-    ("pad_token_id", "0", ["pad_token_id='0'", "non-negative int64 token id"]),
+    ("pad_token_id", None, ["pad_token_id=None", "an int64 id"]),
+    ("pad_token_id", 2.0, ["pad_token_id=2.0", "an int64 id"]),
+    ("pad_token_id", True, ["pad_token_id=True", "an int64 id"]),
+    ("pad_token_id", "0", ["pad_token_id='0'", "an int64 id"]),
+    ("pad_token_id", -(2**63) - 1, ["pad_token_id=-9223372036854775809", "int64"]),
     ("pad_token_id", 2**63, ["pad_token_id=9223372036854775808", "int64"]),
     ("ignore_label_id", float("nan"), ["ignore_label_id=nan", "an int64 id"]),
     ("ignore_label_id", [1], ["ignore_label_id=[1]", "an int64 id"]),
@@ -325,7 +325,7 @@ BAD_SAMPLES = [
         "position-ids-wrong",
         lambda s: _replace("position_ids", s["position_ids"].flip(0))(s),
         None,
-        ["sample['position_ids'] is not 0..7", "torch.arange(L)"],
+        ["sample['position_ids'] is not 0..4 over the real tokens", "torch.arange(L)"],
     ),
     (
         "loss-on-padding",
@@ -341,10 +341,10 @@ BAD_SAMPLES = [
     ),
     ("bad-multiple", lambda s: s, 0, ["pad_to_multiple_of=0", "positive int"]),
     (
-        "negative-pad-token",
-        lambda s: _replace("tokens", s["tokens"].index_fill(0, torch.tensor([7]), -1))(s),
+        "negative-real-token",
+        lambda s: _replace("tokens", s["tokens"].index_fill(0, torch.tensor([4]), -1))(s),
         None,
-        ["sample['tokens'][7]=-1", "padding included", "non-negative ids"],
+        ["sample['tokens'][4]=-1", "real token ids", "non-negative ids"],
     ),
     (
         "tokens-freed",
@@ -387,6 +387,29 @@ def test_validate_names_the_key_and_the_fix(mutate, multiple: int | None, fragme
 @pytest.mark.parametrize(("n", "multiple"), [(1, 1), (5, 8), (8, 8), (9, 4), (31, 32)])
 def test_validate_accepts_built_samples(n: int, multiple: int) -> None:
     validate_unpacked_sample(sample(n, multiple), pad_to_multiple_of=multiple)
+
+
+PAD_IDS = [-1, -100, 2**40]
+"""Padding values real pipelines use (an ignore index, -1, an id past any vocabulary): every pin overwrites them."""
+
+
+@pytest.mark.parametrize("pad_id", PAD_IDS)
+def test_padding_may_hold_any_id(pad_id: int) -> None:
+    built = build_unpacked_sequence_sample(
+        [1, 2, 3], [2, 3, 4], [1, 1, 1], pad_to_multiple_of=8, pad_token_id=pad_id, ignore_label_id=pad_id
+    )
+    assert built["tokens"].tolist() == [1, 2, 3] + [pad_id] * 5
+    built["position_ids"][3:] = pad_id  # padding positions are overwritten too
+    validate_unpacked_sample(built, pad_to_multiple_of=8)
+
+
+@pytest.mark.parametrize("pad_id", [-1, -100])
+def test_fold_refuses_negative_padding_it_would_make_real(pad_id: int) -> None:
+    built = build_unpacked_sequence_sample([1, 2, 3], [2, 3, 4], [1, 1, 1], pad_to_multiple_of=8, pad_token_id=pad_id)
+    with pytest.raises(BadSampleError) as err:
+        fold_alignment_padding(built)
+    assert f"sample['tokens'][3]={pad_id} is negative padding that folding makes a real token" in str(err.value)
+    validate_unpacked_sample(fold_alignment_padding(sample()))
 
 
 def test_validate_allows_extra_keys() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import itertools
 import sys
@@ -306,7 +307,8 @@ class NativeSchedulerAdapter(PackingAdapter):
             runtime.check_min_dynamic_cp_size(model_config, runtime.check_dynamic_cp_pool(pg_collection))
             runtime.check_dynamic_cp_microbatch_group(model_config)
         self.require_runnable(model_config)
-        return runtime.step_limits(model_config, pg_collection, dynamic_cp)
+        limits = runtime.step_limits(model_config, pg_collection, dynamic_cp)
+        return dataclasses.replace(limits, padding_reaches_model=self.facts.padding_reaches_model)
 
     def _check_runtime_config(self, model_config: Any) -> None:
         """Strict flags and the fields this pin's scheduler reads, identical on every rank."""

@@ -245,9 +245,9 @@ def _bad_length(key: str, kind: int, value: int) -> str:
 def _bad_value(key: str, at: int, value: int) -> str:
     if key == "tokens":
         return (
-            f"tokens[{at}]={value} is negative; every slot of tokens, padding included, indexes the embedding (with "
-            "tensor parallelism a negative id silently becomes a zero vector): use vocabulary ids >= 0 and pad with a "
-            "real id such as the tokenizer's pad or EOD id"
+            f"tokens[{at}]={value} is negative; the embedding reads every real token (and every padding slot on a "
+            "pin whose fetch does not overwrite padding), and with tensor parallelism a negative id silently becomes "
+            "a zero vector: use vocabulary ids >= 0 (mark ignored positions in labels/loss_mask, not in tokens)"
         )
     return (
         f"{key}[{at}]={value} is negative where loss_mask[{at}] is not 0, so it is trained on, and Megatron-Core's "

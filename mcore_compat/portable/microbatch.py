@@ -16,7 +16,7 @@ from itertools import accumulate
 import torch
 
 from mcore_compat.portable.samples import TOKEN_FIELDS
-from mcore_compat.thd import thd_partitioned_indices
+from mcore_compat.thd import padding_mask, thd_partitioned_indices
 
 METADATA_KEYS = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen")
 INPUT_KEYS = ("tokens", "position_ids")
@@ -41,15 +41,6 @@ def pack_bin(
     packed = {key: torch.cat([s[key].reshape(-1) for s in samples]).to(device) for key, _ in TOKEN_FIELDS}
     packed.update(bin_metadata(original, padded, device))
     return packed
-
-
-def padding_mask(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor) -> torch.Tensor:
-    """True on every packed slot past its sequence's real length (before any CP split)."""
-    starts = cu_seqlens_padded[:-1].to(torch.int64)
-    padded = cu_seqlens_padded[1:].to(torch.int64) - starts
-    real = cu_seqlens[1:].to(torch.int64) - cu_seqlens[:-1].to(torch.int64)
-    offset = torch.arange(int(padded.sum()), device=cu_seqlens.device) - starts.repeat_interleave(padded)
-    return offset >= real.repeat_interleave(padded)
 
 
 @functools.cache
