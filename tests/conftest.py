@@ -25,6 +25,17 @@ CLONE_HINT = (
 FAKE_GENERATIONS: list[tuple[ModuleType, str]] = [(family, gen) for family in FAMILIES for gen in family.GENERATIONS]
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``history`` (4-rank steps on every real Megatron-LM tree: minutes) run only under ``-m history``
+    (``nox -s test-mcore-history``); elsewhere they skip, saying so."""
+    if "history" in (config.getoption("markexpr") or ""):
+        return
+    skip = pytest.mark.skip(reason="a real-tree history test: run it with -m history (nox -s test-mcore-history)")
+    for item in items:
+        if "history" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(params=FAKE_GENERATIONS, ids=[gen for _, gen in FAKE_GENERATIONS])
 def fake_mcore(request: pytest.FixtureRequest) -> Iterator[FakeMCore]:
     """Each fake generation in turn, installed in ``sys.modules`` with mcore_compat's caches reset."""

@@ -1,8 +1,10 @@
-"""Real Megatron-LM source trees for tests: ``megatron/`` of one commit, extracted once from a clone.
+"""Real Megatron-LM source trees for tests: ``megatron/`` of one commit, extracted once and reused.
 
-``MCORE_REPO`` names a Megatron-LM git repository (a clone, or a bare git directory); trees are
-``git archive``d into ``MCORE_TREES`` (default: ``$XDG_CACHE_HOME/mcore-compat/trees``, outside the
-project) and reused. Without ``MCORE_REPO`` the tests that need trees skip with :data:`HOW_TO_GET_ONE`.
+Two sources, first found wins: the snapshots in ``shared/megatron-lm/`` beside the project root (CI's and the
+developers' machines; ``megatron/core`` of every generation's first commit and both pinned tips, see its README),
+then ``MCORE_REPO``, a Megatron-LM git repository (a clone, or a bare git directory), ``git archive``d per
+commit. Trees go under ``MCORE_TREES`` (default: ``$XDG_CACHE_HOME/mcore-compat/trees``, outside the project).
+Without either source the tests that need trees skip with :data:`HOW_TO_GET_ONE`.
 """
 
 from __future__ import annotations
@@ -17,17 +19,20 @@ from pathlib import Path
 from mcore_compat import pins
 from mcore_compat.generations import GENERATIONS
 
-__all__ = ["HOW_TO_GET_ONE", "REPO", "SCHEDULER_PATHS", "TIPS", "scheduler_commits", "tree"]
+__all__ = ["AVAILABLE", "HOW_TO_GET_ONE", "REPO", "SCHEDULER_PATHS", "TIPS", "scheduler_commits", "tree"]
 
 REPO = os.environ.get("MCORE_REPO")
+SNAPSHOTS = Path(__file__).resolve().parents[2] / "shared" / "megatron-lm" / "megatron-core-first-commits.tar.xz"
+"""``megatron/core`` of every first commit and both tips, one folder per full commit hash."""
 TREES = Path(
     os.environ.get("MCORE_TREES")
     or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mcore-compat" / "trees"
 )
 HOW_TO_GET_ONE = (
-    "MCORE_REPO is unset: `git clone --filter=blob:none https://github.com/NVIDIA/Megatron-LM.git "
-    "<dir>` and set MCORE_REPO=<dir>"
+    "no Megatron-LM trees: no shared/megatron-lm/ beside the project and MCORE_REPO is unset: "
+    "`git clone --filter=blob:none https://github.com/NVIDIA/Megatron-LM.git <dir>` and set MCORE_REPO=<dir>"
 )
+AVAILABLE = SNAPSHOTS.is_file() or REPO is not None
 TIPS = {name: (pins.load().pins[name].commit or "", pins.load().pins[name].generation) for name in ("main", "dev")}
 """The pinned main and dev commits and the generation each must be detected as."""
 FIRST_COMMITS = [(row.id, row.first_commit) for row in GENERATIONS.values() if row.first_commit]
@@ -52,8 +57,26 @@ def _git(*args: str) -> bytes:
     return subprocess.run(_git_command(*args), capture_output=True, check=True).stdout
 
 
+def _snapshot(rev: str) -> Path | None:
+    """The tree of ``rev`` (an abbreviated hash) from :data:`SNAPSHOTS`, extracted whole on first use; None when the
+    snapshots are absent or do not hold it."""
+    if not SNAPSHOTS.is_file():
+        return None
+    root = TREES / f"snapshots-{SNAPSHOTS.stat().st_size}"
+    if not root.is_dir():
+        part = root.with_suffix(".part")
+        with tarfile.open(SNAPSHOTS) as archive:
+            archive.extractall(part, filter="data")
+        part.rename(root)
+    found = [path for path in root.iterdir() if path.name.startswith(rev)]
+    return found[0] if len(found) == 1 else None
+
+
 def tree(rev: str) -> Path:
     """The ``megatron/`` package of ``rev`` under the cache (a directory to put first on ``sys.path``)."""
+    snapshot = _snapshot(rev)
+    if snapshot is not None:
+        return snapshot
     sha = _git("rev-parse", "--verify", f"{rev}^{{commit}}").decode().strip()
     root = TREES / sha[:12]
     if not (root / "megatron" / "core" / "__init__.py").is_file():

@@ -1,7 +1,8 @@
 """The probe never lies: on real Megatron-LM trees, the probe says yes exactly when a real step succeeds.
 
-For the first commit of every generation in the table, both pinned tips and every other commit since that touched the
-scheduler's files (``MCORE_REPO``, see ``tests/real_trees.py``), on 4 gloo ranks (tp·cp·dp 1·2·2):
+For the first commit of every generation in the table, both pinned tips (``shared/megatron-lm/`` or ``MCORE_REPO``) and,
+with ``MCORE_REPO``, every other commit since that touched the scheduler's files (see ``tests/real_trees.py``), on 4
+gloo ranks (tp·cp·dp 1·2·2):
 
 * ``dp_balanced`` with static CP and ``default_dynamic_cp`` with dynamic CP are run through the facade
   **with the probe's gate lifted**, so the adapter calls Megatron-Core (or the portable backend) whatever the
@@ -40,9 +41,9 @@ from mcore_compat.testing.runner import (
     mpu_pg_collection,
 )
 from tests.real_outcomes import RUNS
-from tests.real_trees import FIRST_COMMITS, HOW_TO_GET_ONE, REPO, TIPS, scheduler_commits, tree
+from tests.real_trees import AVAILABLE, FIRST_COMMITS, HOW_TO_GET_ONE, TIPS, scheduler_commits, tree
 
-pytestmark = [pytest.mark.history, pytest.mark.skipif(REPO is None, reason=HOW_TO_GET_ONE)]
+pytestmark = [pytest.mark.history, pytest.mark.skipif(not AVAILABLE, reason=HOW_TO_GET_ONE)]
 
 LAYOUT = Layout(1, 2, 2)
 RUNNABLE_IF_TRUE = (("dp_balanced", False), ("default_dynamic_cp", True))

@@ -25,6 +25,7 @@ from tests.fake_mcore import installed
 from tests.real_trees import FIRST_COMMITS, HOW_TO_GET_ONE, REPO, TIPS, scheduler_commits, tree
 
 pytestmark = [
+    pytest.mark.history,
     pytest.mark.skipif(REPO is None, reason=HOW_TO_GET_ONE),
     pytest.mark.skipif(
         importlib.util.find_spec("triton") is None,
