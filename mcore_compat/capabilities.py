@@ -14,6 +14,8 @@ import importlib.metadata
 import importlib.util
 import inspect
 import json
+import urllib.parse
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +36,7 @@ from mcore_compat.generations import (
     Generation,
     match,
 )
-from mcore_compat.gitinfo import git_head
+from mcore_compat.gitinfo import archive_commit, git_head
 
 __all__ = [
     "Capabilities",
@@ -213,15 +215,22 @@ def shadowed_install() -> tuple[str, str, str] | None:
 
 
 def _commit(core_dir: Path) -> str | None:
-    """The commit of the imported Megatron-Core: the installed distribution's (``direct_url.json``) when that is
-    what was imported, else the checkout's ``HEAD``."""
+    """The commit of the imported Megatron-Core: the installed distribution's when that is what was imported (a git
+    install's ``direct_url.json``, or the ``git archive`` tarball it was installed from), else the checkout's
+    ``HEAD``."""
     direct_url = None
     if _installed_core_dir() == core_dir:
         direct_url = importlib.metadata.distribution("megatron-core").read_text("direct_url.json")
     if direct_url:
-        commit = json.loads(direct_url).get("vcs_info", {}).get("commit_id")
+        record = json.loads(direct_url)
+        commit = record.get("vcs_info", {}).get("commit_id")
         if commit:
             return str(commit)
+        url = urllib.parse.urlparse(record.get("url", ""))
+        if "archive_info" in record and url.scheme == "file":
+            commit = archive_commit(Path(urllib.request.url2pathname(url.path)))
+            if commit:
+                return commit
     return git_head(core_dir.parent.parent)
 
 

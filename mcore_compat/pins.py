@@ -277,13 +277,17 @@ def install_plan(pin: Pin, source: Path | None = None) -> list[list[str]]:
 
     A release resolves together with its requirements; a source pin installs its requirements first, then
     itself with ``pip_args`` (which keep pip from resolving its dependencies on the wrong Python), from the
-    pinned commit of the local checkout or of its repository: a snapshot whose install records the commit.
+    pinned commit of the local checkout or of its repository: a snapshot whose install records the commit. A
+    ``source`` that is a file is a ``git archive`` tarball of the pinned commit, installed as it is (the install
+    records the tarball, which names its commit: :func:`mcore_compat.gitinfo.archive_commit`).
     """
     if pin.package is not None:
         return [[*pin.pip_args, pin.package, *pin.requires]]
+    steps = [list(pin.requires)] if pin.requires else []
+    if source is not None and source.is_file():
+        return [*steps, [*pin.pip_args, str(source)]]
     # file://localhost/...: pip 23's requirement parser rejects the empty host of file:///...
     url = f"file://localhost{urllib.parse.quote(str(source))}" if source is not None else pin.git
-    steps = [list(pin.requires)] if pin.requires else []
     return [*steps, [*pin.pip_args, f"megatron-core @ git+{url}@{pin.commit}"]]
 
 

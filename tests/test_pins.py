@@ -267,6 +267,24 @@ def test_git_head_reads_only_the_root_of_a_real_checkout(tmp_path: Path) -> None
     assert gitinfo.git_head(tmp_path / "missing") is None
 
 
+def test_archive_commit_reads_a_git_archive_tarball_and_nothing_else(tmp_path: Path) -> None:
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(tmp_path / "repo")]
+    (tmp_path / "repo").mkdir()
+    subprocess.run([*git, "init", "-q"], check=True)
+    (tmp_path / "repo" / "f").write_text("x")
+    subprocess.run([*git, "add", "f"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "x"], check=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], check=True, capture_output=True, text=True).stdout.strip()
+    tarball = tmp_path / "snapshot.tar.gz"
+    subprocess.run([*git, "archive", "--format=tar.gz", f"--output={tarball}", "HEAD"], check=True)
+    assert gitinfo.archive_commit(tarball) == head
+    plain = tmp_path / "plain.tar.gz"
+    subprocess.run(["tar", "-czf", str(plain), "-C", str(tmp_path / "repo"), "f"], check=True)
+    assert gitinfo.archive_commit(plain) is None
+    assert gitinfo.archive_commit(tmp_path / "repo" / "f") is None
+    assert gitinfo.archive_commit(tmp_path / "missing.tar.gz") is None
+
+
 # -- installing ----------------------------------------------------------------------------------
 
 
@@ -291,6 +309,12 @@ def test_a_local_checkout_installs_the_pinned_commit_as_one_argument() -> None:
     assert urllib.parse.urlsplit(location)[:2] == ("file", "localhost")
     assert urllib.parse.unquote(urllib.parse.urlsplit(location).path) == HOSTILE_PATH
     assert not any(c in location for c in " ;$()`")
+
+
+def test_a_git_archive_tarball_installs_as_it_is(tmp_path: Path) -> None:
+    tarball = tmp_path / f"megatron-lm-{MAIN.commit}.tar.gz"
+    tarball.write_bytes(b"")
+    assert pins.install_plan(MAIN, tarball) == [list(MAIN.requires), [*MAIN.pip_args, str(tarball)]]
 
 
 def test_source_pins_install_without_dependencies() -> None:
