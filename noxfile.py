@@ -110,13 +110,19 @@ def _pip(session: nox.Session, python: Path, *args: str) -> None:
 
 
 def _pytest(session: nox.Session, python: Path, env: dict[str, str | None]) -> None:
-    """The whole suite; pytest's "no tests collected" (exit 5) fails the session like any other failure."""
+    """The whole suite; pytest's "no tests collected" (exit 5) fails the session like any other failure.
+
+    ``-P`` keeps the current directory off ``sys.path`` and ``--import-mode=append`` puts the checkout's root last
+    (for the ``tests`` package), so ``mcore_compat`` and ``packing`` are the installed ones, as a pip user gets them
+    (``tests/conftest.py`` checks it in pin sessions).
+    """
     bin_dir = str(python.parent)
     env = {
         "PATH": os.pathsep.join((bin_dir, os.environ.get("PATH", ""))),
         "VIRTUAL_ENV": str(python.parent.parent),
     } | env
-    session.run(str(python), "-m", "pytest", "tests", *session.posargs, env=env, external=True, success_codes=[0])
+    command = [str(python), "-P", "-m", "pytest", "--import-mode=append", "tests", *session.posargs]
+    session.run(*command, env=env, external=True, success_codes=[0])
 
 
 @contextmanager

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -22,7 +23,30 @@ CLONE_HINT = (
     "MCORE_SRC=$PWD/mlm"
 )
 """The skip reason's remedy where a test needs Megatron-LM source."""
+SEED = int(os.environ.get("MCORE_COMPAT_SEED") or random.SystemRandom().randrange(2**32))
+"""The seed of the suite's random draws (the property test's cases, the balanced scheduler's length sets): fresh
+each run, printed in pytest's header; ``MCORE_COMPAT_SEED`` draws the same again."""
 FAKE_GENERATIONS: list[tuple[ModuleType, str]] = [(family, gen) for family in FAMILIES for gen in family.GENERATIONS]
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"MCORE_COMPAT_SEED={SEED} (set it to draw this run's random cases again)"
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """In a pin session (``$MCORE_COMPAT_EXPECT_PIN``) the suite tests the installed package, not the checkout's copy
+    (``noxfile._pytest`` runs it so); an editable install counts as the checkout."""
+    if not os.environ.get("MCORE_COMPAT_EXPECT_PIN"):
+        return
+    import mcore_compat
+    import packing
+
+    shadowed = [m.__name__ for m in (mcore_compat, packing) if Path(m.__file__ or "").resolve().is_relative_to(PROJECT)]
+    if shadowed:
+        raise pytest.UsageError(
+            f"{', '.join(shadowed)} imported from the checkout {PROJECT}, not the installed package: run the suite "
+            "as noxfile._pytest does (python -P -m pytest --import-mode=append tests)"
+        )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

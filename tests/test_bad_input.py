@@ -14,6 +14,7 @@ from mcore_compat.generations import GENERATIONS
 from mcore_compat.runtime import STEP_FIELDS
 from mcore_compat.testing import Layout, launch, locate_mcore
 from tests.bad_input_ranks import BadInput, bad_inputs_on_rank, random_settings
+from tests.claims import refused
 
 SYS_PATH, NO_MCORE = locate_mcore()
 pytestmark = pytest.mark.skipif(NO_MCORE is not None, reason=NO_MCORE or "")
@@ -634,8 +635,8 @@ def _assert_alike_and_clear(outcomes: dict, case: BadInput, expected: str, fragm
     within :data:`SECONDS`."""
     ranks = outcomes["runs"][case.name]
     assert len(ranks) == outcomes["world"]
-    if {o.kind for o in ranks} == {"skipped"}:
-        pytest.skip(f"{case.name}: {ranks[0].message}")
+    if {o.kind for o in ranks} == {"skipped"}:  # a dynamic-CP case the probe refused
+        refused("default_dynamic_cp", True, f"{case.name}: {ranks[0].message}")
     tp = int(outcomes.get("layout", "1").split("x")[0])
     if expected == RERUN and outcomes["backend"] == "native" and tp == 1 and not outcomes["replays_unedited"]:
         pytest.skip(

@@ -29,6 +29,7 @@ from mcore_compat.testing import (
     standard_cases,
 )
 from mcore_compat.testing.records import WORLD_4_LAYOUTS
+from tests.claims import refused
 from tests.conftest import doctor_report
 
 SYS_PATH, NO_MCORE = locate_mcore()
@@ -109,7 +110,7 @@ def test_doctor_names_the_backend_that_packed(runs: dict[Case, CaseRun], balance
 def _ran(runs: dict[Case, CaseRun], case: Case) -> CaseRun:
     run = runs[case]
     if run.skipped:
-        pytest.skip(run.skipped)
+        refused(case.scheduler, case.dynamic_cp, run.skipped)
     return run
 
 

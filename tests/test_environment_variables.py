@@ -99,5 +99,6 @@ def test_no_tracked_file_holds_a_machine_local_path() -> None:
     out = subprocess.run(
         ["git", "grep", "-n", "-E", "|".join(roots)], capture_output=True, text=True, cwd=ROOT, check=False
     )
-    assert out.returncode in (0, 1), out.stderr
+    if out.returncode not in (0, 1):
+        pytest.skip(f"not a git checkout (an exported tree has no tracked files to read): {out.stderr.strip()}")
     assert out.stdout == ""

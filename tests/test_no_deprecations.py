@@ -19,6 +19,7 @@ import torch
 import torch.distributed
 
 from mcore_compat.testing import Case, Layout, locate_mcore, run_cases
+from tests.claims import refused
 
 ROOT = Path(__file__).resolve().parents[1]
 OURS = (ROOT / "mcore_compat", ROOT / "packing")
@@ -103,5 +104,5 @@ SYS_PATH, NO_MCORE = locate_mcore()
 def test_a_packing_step_raises_no_deprecation_of_ours() -> None:
     (run,) = run_cases([Case(Layout(1, 1, 2))], sys_path=SYS_PATH, setup=fail_on_our_deprecations, timeout=600)
     if run.skipped:
-        pytest.skip(run.skipped)
+        refused(run.case.scheduler, run.case.dynamic_cp, run.skipped)
     assert run.errors() == []

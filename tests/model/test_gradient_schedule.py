@@ -21,6 +21,7 @@ import pytest
 
 from mcore_compat.generations import GENERATIONS
 from mcore_compat.testing import Case, LaunchError, Layout, launch, locate_mcore
+from tests.claims import refused
 from tests.model import grad_ranks
 
 SYS_PATH, NO_MCORE = locate_mcore()
@@ -50,7 +51,7 @@ def _run(case: Case, *, drop: bool, unsupported: bool = False) -> tuple[dict[str
     skips = {rank.get("skip") for rank in ranks}
     if skips != {None}:
         assert len(skips) == 1, f"ranks disagree on whether the pin can run {case.name}: {skips}"
-        pytest.skip(f"{case.name}: {skips.pop()}")
+        refused(case.scheduler, case.dynamic_cp, f"{case.name}: {skips.pop()}")
     return reference, ranks
 
 

@@ -22,6 +22,7 @@ import pytest
 from mcore_compat.generations import GENERATIONS
 from mcore_compat.testing import CaseRun, run_cases
 from mcore_compat.testing.records import MicrobatchRecord
+from tests.claims import refused
 from tests.portable.ranks import DYNAMIC_CASES, same_value
 
 DEV_SRC = os.environ.get("MCORE_SRC_DEV")
@@ -76,9 +77,9 @@ def runs() -> dict[str, list[CaseRun]]:
     row = GENERATIONS.get(subject[0].generation or "")
     if row is not None and "default_dynamic_cp" in row.dynamic_cp_schedulers:
         pytest.skip(f"{SUBJECT} ({row.id}) runs default_dynamic_cp natively: compare a release or main with dev")
-    refused = [run.skipped for run in subject if run.skipped]
-    if refused:
-        pytest.skip(f"{SUBJECT} does not run dynamic CP: {refused[0]}")
+    refusals = [run.skipped for run in subject if run.skipped]
+    if refusals:
+        refused("default_dynamic_cp", True, f"{SUBJECT} does not run dynamic CP: {refusals[0]}")
     return {"dev": dev, "subject": subject}
 
 
