@@ -109,8 +109,14 @@ def _pip(session: nox.Session, python: Path, *args: str) -> None:
         session.run(str(python), "-m", "pip", "install", *args, external=True)
 
 
-def _pytest(session: nox.Session, python: Path, env: dict[str, str | None]) -> None:
-    """The whole suite; pytest's "no tests collected" (exit 5) fails the session like any other failure.
+SMOKE = ("tests/test_release_pin.py", "tests/test_smoke.py")
+"""A ``suite = "smoke"`` pin's run: the release-specific assertions and one real step per scheduler and mode."""
+
+
+def _pytest(
+    session: nox.Session, python: Path, env: dict[str, str | None], paths: tuple[str, ...] = ("tests",)
+) -> None:
+    """The suite (``paths``); pytest's "no tests collected" (exit 5) fails the session like any other failure.
 
     ``-P`` keeps the current directory off ``sys.path`` and ``--import-mode=append`` puts the checkout's root last
     (for the ``tests`` package), so ``mcore_compat`` and ``packing`` are the installed ones, as a pip user gets them
@@ -121,7 +127,7 @@ def _pytest(session: nox.Session, python: Path, env: dict[str, str | None]) -> N
         "PATH": os.pathsep.join((bin_dir, os.environ.get("PATH", ""))),
         "VIRTUAL_ENV": str(python.parent.parent),
     } | env
-    command = [str(python), "-P", "-m", "pytest", "--import-mode=append", "tests", *session.posargs]
+    command = [str(python), "-P", "-m", "pytest", "--import-mode=append", *paths, *session.posargs]
     session.run(*command, env=env, external=True, success_codes=[0])
 
 
@@ -199,9 +205,10 @@ def _pin_session(pin: pins.Pin) -> None:
             python, source = _install_pin(session, pin)
             checkout = source if source is None or source.is_dir() else _extracted(session, source)
             env = {"MCORE_COMPAT_EXPECT_PIN": pin.name, "MCORE_SRC": str(checkout) if checkout else None}
-            _pytest(session, python, env)
+            _pytest(session, python, env, ("tests",) if pin.suite == "full" else SMOKE)
 
-    run.__doc__ = f"{pin.name} (Python {pin.python}): {pin.how()}; then the whole suite"
+    suite = "the whole suite" if pin.suite == "full" else "the smoke run (noxfile.SMOKE)"
+    run.__doc__ = f"{pin.name} (Python {pin.python}): {pin.how()}; then {suite}"
     nox.session(
         run,
         name=pin.session,

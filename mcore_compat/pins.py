@@ -24,6 +24,7 @@ __all__ = [
     "PINS_FILE",
     "SESSION_PREFIX",
     "SHARED_SOURCE_VARIABLE",
+    "SUITES",
     "Pin",
     "PinError",
     "PinTable",
@@ -42,6 +43,8 @@ PINS_FILE = "pins.toml"
 SESSION_PREFIX = "test-mcore-"
 SHARED_SOURCE_VARIABLE = "MCORE_SRC"
 MODES = ("static", "dynamic")
+SUITES = ("full", "smoke")
+"""What a pin's nox session runs: the whole suite, or the smoke run (another pin of its generation runs the whole)."""
 
 _RELEASE = re.compile(r"^megatron-core==(?P<version>\d+(\.\d+)*)$")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
@@ -56,6 +59,7 @@ _PIN_FIELDS = {
     "generation": str,
     "adapter": str,
     "runs": list,
+    "suite": str,
 }
 _REQUIRED_PIN_FIELDS = ("python", "generation", "adapter", "runs")
 _PYTHON_FIELDS = {"base": list, "shared": bool}
@@ -84,6 +88,7 @@ class Pin:
     requires_python: str | None = None
     requires: tuple[str, ...] = ()
     pip_args: tuple[str, ...] = ()
+    suite: str = "full"
 
     @property
     def version(self) -> str | None:
@@ -180,6 +185,8 @@ def _parse_pin(name: str, raw: Mapping[str, Any], pythons: Mapping[str, PythonSe
         raise _problem(where, "package", package, "write an exact release, e.g. 'megatron-core==0.16.1'")
     if commit is not None and not _COMMIT.match(commit):
         raise _problem(where, "commit", commit, "write the full 40-character lower-case commit hash")
+    if raw.get("suite", "full") not in SUITES:
+        raise _problem(where, "suite", raw["suite"], f"use one of {SUITES}")
     for run in raw["runs"]:
         scheduler, _, mode = run.partition(":")
         if not scheduler or mode not in MODES:
@@ -196,6 +203,7 @@ def _parse_pin(name: str, raw: Mapping[str, Any], pythons: Mapping[str, PythonSe
         requires_python=raw.get("requires_python"),
         requires=tuple(raw.get("requires", ())),
         pip_args=tuple(raw.get("pip_args", ())),
+        suite=raw.get("suite", "full"),
     )
 
 

@@ -29,6 +29,17 @@ each run, printed in pytest's header; ``MCORE_COMPAT_SEED`` draws the same again
 FAKE_GENERATIONS: list[tuple[ModuleType, str]] = [(family, gen) for family in FAMILIES for gen in family.GENERATIONS]
 
 
+def installed_attention_follows() -> bool:
+    """Whether the installed Megatron-Core's attention already runs on the microbatch's CP group (dev from G3): there
+    dynamic CP needs no model support, whatever packing modules a fake puts beside it."""
+    from mcore_compat.model_support import model_components_following_microbatch_cp_group
+
+    try:
+        return "attention" in model_components_following_microbatch_cp_group()
+    except ImportError:
+        return False
+
+
 def pytest_report_header(config: pytest.Config) -> str:
     return f"MCORE_COMPAT_SEED={SEED} (set it to draw this run's random cases again)"
 

@@ -55,6 +55,11 @@ def test_shipped_pin_agrees_with_the_generation_table_and_adapters(pin: pins.Pin
         assert GENERATIONS[pin.generation].lineage == pin.name
 
 
+def test_every_generation_a_pin_has_runs_the_whole_suite_on_one() -> None:
+    full = {pin.generation for pin in TABLE.pins.values() if pin.suite == "full"}
+    assert full == {pin.generation for pin in TABLE.pins.values()}
+
+
 @pytest.mark.parametrize("pin", TABLE.pins.values(), ids=list(TABLE.pins))
 def test_every_pin_has_a_nox_session_name_users_can_type(pin: pins.Pin) -> None:
     assert pin.session.startswith("test-mcore-")
@@ -84,6 +89,7 @@ def test_pins_file_ships_inside_the_package() -> None:
         (_with("runs = []", 'runs = ["dp_balanced:fast"]'), "'scheduler:mode'"),
         (_with("runs = []", "runs = []\nrequires = [1]"), "list of strings"),
         (_with("runs = []", 'runs = "dp_balanced:static"'), "must be a list"),
+        (_with("runs = []", 'runs = []\nsuite = "quick"'), "suite='quick': use one of ('full', 'smoke')"),
         (_with("base = []", 'base = []\nshared = "yes"'), "shared='yes': must be a bool"),
         (VALID_PIN + "\n[extra]\nx = 1\n", "unknown table [extra]"),
         ('[python."3.11"]\nbase = []\n', "names no pins"),
