@@ -52,7 +52,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     import mcore_compat
     import packing
 
-    shadowed = [m.__name__ for m in (mcore_compat, packing) if Path(m.__file__ or "").resolve().is_relative_to(PROJECT)]
+    shadowed = [
+        m.__name__ for m in (mcore_compat, packing) if Path(m.__file__ or "").resolve().parent == PROJECT / m.__name__
+    ]
     if shadowed:
         raise pytest.UsageError(
             f"{', '.join(shadowed)} imported from the checkout {PROJECT}, not the installed package: run the suite "
