@@ -356,7 +356,8 @@ def test_switch_runs_pip_then_the_doctor_without_a_shell(doctor_code: int, expec
     ]
     assert commands[2] == ["/py", "-m", "mcore_compat", "doctor"]
     assert all("shell" not in kwargs for _, kwargs in run.calls)
-    assert str(ROOT) in run.calls[2][1]["env"]["PYTHONPATH"].split(os.pathsep)
+    package_root = str(Path(cli.__file__).resolve().parent.parent)  # the checkout, or the installed site-packages
+    assert package_root in run.calls[2][1]["env"]["PYTHONPATH"].split(os.pathsep)
 
 
 def test_switch_fails_where_a_checkout_shadows_the_installed_pin(capsys: pytest.CaptureFixture[str]) -> None:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from mcore_compat.testing import Case, cpu_patches, model_config
 from mcore_compat.testing.runner import mpu_pg_collection
+from tests.model import reference_attention
 from tests.model.rope_ranks import packed_rope
 
 VOCAB = 31
@@ -43,10 +44,10 @@ class PerTokenCoreAttention(torch.nn.Module):
         return out.reshape(*out.shape[:-2], -1)
 
 
-def _transformer_config(cp: int) -> Any:
+def _transformer_config(cp: int, layers: int) -> Any:
     config_module = importlib.import_module("megatron.core.transformer.transformer_config")
     return config_module.TransformerConfig(
-        num_layers=1,
+        num_layers=layers,
         hidden_size=HIDDEN,
         num_attention_heads=HEADS,
         kv_channels=KV_CHANNELS,
@@ -62,24 +63,29 @@ def _transformer_config(cp: int) -> Any:
 
 
 class TinyModel(torch.nn.Module):
-    """Embedding, the pin's SelfAttention with RoPE, a head: per token, THD (packed) or one unpacked sample."""
+    """Embedding, ``layers`` of the pin's SelfAttention with RoPE (residual), a head: THD (packed) or one unpacked
+    sample. ``core`` is the core attention: per token (default) or one that mixes tokens
+    (:mod:`tests.model.reference_attention`)."""
 
-    def __init__(self, cp: int) -> None:
+    def __init__(self, cp: int, core: type[torch.nn.Module] = PerTokenCoreAttention, layers: int = 1) -> None:
         super().__init__()
         attention = importlib.import_module("megatron.core.transformer.attention")
         enums = importlib.import_module("megatron.core.transformer.enums")
         tensor_parallel = importlib.import_module("megatron.core.tensor_parallel")
         rotary = importlib.import_module("megatron.core.models.common.embeddings.rotary_pos_embedding")
-        self.config = _transformer_config(cp)
+        self.config = _transformer_config(cp, layers)
         self.model_type = importlib.import_module("megatron.core.enums").ModelType.encoder_or_decoder
         self.embed = torch.nn.Embedding(VOCAB, HIDDEN, dtype=torch.float64)
         submodules = attention.SelfAttentionSubmodules(
             linear_qkv=tensor_parallel.ColumnParallelLinear,
-            core_attention=PerTokenCoreAttention,
+            core_attention=core,
             linear_proj=tensor_parallel.RowParallelLinear,
         )
-        self.attention = attention.SelfAttention(
-            self.config, submodules, layer_number=1, attn_mask_type=enums.AttnMaskType.padding_causal
+        self.layers = torch.nn.ModuleList(
+            attention.SelfAttention(
+                self.config, submodules, layer_number=n + 1, attn_mask_type=enums.AttnMaskType.padding_causal
+            )
+            for n in range(layers)
         )
         self.rope = rotary.RotaryEmbedding(kv_channels=KV_CHANNELS, rotary_percent=1.0, use_cpu_initialization=True)
         self.head = torch.nn.Linear(HIDDEN, VOCAB, bias=False, dtype=torch.float64)
@@ -97,8 +103,10 @@ class TinyModel(torch.nn.Module):
         else:  # as GPTModel computes them for THD: full-length frequencies, CP slicing left to RoPE
             length = max(int(packed_seq_params.max_seqlen_q), int(packed_seq_params.max_seqlen_kv))
             emb = packed_rope(self.rope, length, packed_seq_params)
-        out, _ = self.attention(hidden, None, rotary_pos_emb=emb, packed_seq_params=packed_seq_params)
-        return self.head(hidden + out).transpose(0, 1)
+        for layer in self.layers:
+            out, _ = layer(hidden, None, rotary_pos_emb=emb, packed_seq_params=packed_seq_params)
+            hidden = hidden + out
+        return self.head(hidden).transpose(0, 1)
 
 
 def _token_loss(labels: torch.Tensor, loss_mask: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -142,13 +150,21 @@ def _cuda_literals_on_cpu() -> Iterator[None]:
         torch.zeros = original  # type: ignore[assignment]
 
 
-def reference_on_rank(rank: int, world_size: int, case: Case) -> dict[str, Any]:
+def build_model(cp: int, mixing: bool, fault: str | None = None) -> TinyModel:
+    """The per-token model, or (``mixing``) two layers of the reference attention that mixes tokens (wrong in one
+    way with ``fault``)."""
+    if not mixing:
+        return TinyModel(cp)
+    return TinyModel(cp, core=reference_attention.with_fault(fault), layers=2)
+
+
+def reference_on_rank(rank: int, world_size: int, case: Case, mixing: bool = False) -> dict[str, Any]:
     """Weights, and per step the summed loss, loss-token count and gradients of the global batch, unpacked."""
     with cpu_patches():
         parallel_state = importlib.import_module("megatron.core.parallel_state")
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=1)
         torch.manual_seed(7)
-        model = TinyModel(cp=1)
+        model = build_model(1, mixing)
         weights = {k: v.detach().clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
         steps = []
         for step in range(case.steps):
@@ -192,12 +208,19 @@ def _remove_model_support() -> None:
 
 
 def schedule_on_rank(
-    rank: int, world_size: int, case: Case, weights: dict[str, Any], drop: bool, unsupported: bool = False
+    rank: int,
+    world_size: int,
+    case: Case,
+    weights: dict[str, Any],
+    drop: bool,
+    unsupported: bool = False,
+    mixing: bool = False,
+    fault: str | None = None,
 ) -> dict[str, Any]:
-    """Every step through ``forward_backward_no_pipelining``.
+    """Every step through ``forward_backward_no_pipelining``, with the model :func:`build_model` makes.
 
     Negative controls: ``drop`` skips one microbatch; ``unsupported`` runs the pin's attention without the
-    model support's switch.
+    model support's switch; ``fault`` makes the reference attention wrong in one way.
     """
     with cpu_patches(context_parallel=case.layout.cp > 1, dynamic_cp=case.dynamic_cp):
         import packing
@@ -213,7 +236,7 @@ def schedule_on_rank(
         schedules = importlib.import_module("megatron.core.pipeline_parallel.schedules")
         pg_collection = mpu_pg_collection()
         config = model_config(case)
-        model = TinyModel(cp=case.layout.cp)
+        model = build_model(case.layout.cp, mixing, fault)
         model.load_state_dict(weights, strict=False)
         steps = []
         for step in range(case.steps):

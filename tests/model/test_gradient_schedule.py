@@ -6,8 +6,12 @@ with ``packing``'s packed iterator and a tiny per-token model built on the pin's
 parameter gradient over DP x CP, and compares them with the same global batch run unpacked, sample by
 sample, in one process. ``balanced`` (mcore-compat's own packer) runs the same check. Dynamic-CP
 cases apply ``packing.enable_dynamic_cp_model_support()`` first, as a trainer does; a case the pin
-cannot run is skipped with the probe's reason. Dropping one packed microbatch (the negative control)
-must be caught.
+cannot run is skipped with the probe's reason (and fails where the session's pin claims it). Dropping one
+packed microbatch (the negative control) must be caught.
+
+The same with an attention that mixes tokens (:mod:`tests.model.reference_attention`: causal per document, K/V
+gathered over the microbatch's CP group, THD zigzag halves), two layers of it in place of Transformer Engine's core
+attention: a wrong ``cu_seqlens``, group or zigzag half changes the loss, and each is shown to be caught.
 
 Runs against the installed megatron-core, or ``MCORE_SRC`` (a Megatron-LM checkout). Heavy: run it
 alone, e.g. under a shared lock, and select cases with ``-k``.
@@ -34,19 +38,32 @@ CASES = [
     Case(Layout(1, 2, 2), scheduler="default_dynamic_cp", dynamic_cp=True, steps=2),
     Case(Layout(1, 1, 4), scheduler="default_dynamic_cp", dynamic_cp=True, steps=2),
 ]
+MIXING = [
+    Case(Layout(1, 2, 2), scheduler="dp_balanced", steps=2),
+    Case(Layout(1, 2, 2), scheduler="balanced", steps=2),
+    Case(Layout(1, 2, 2), scheduler="default_dynamic_cp", dynamic_cp=True, steps=2),
+    Case(Layout(1, 1, 4), scheduler="default_dynamic_cp", dynamic_cp=True, steps=2, long_fraction=0.5),
+]
+"""Cases for the attention that mixes tokens: static CP, and dynamic CP with CP-less bins and groups of 2 and 4."""
+FAULTS = [("shift_docs", MIXING[0]), ("swap_halves", MIXING[0]), ("static_group", MIXING[3])]
+"""Negative controls: a reference attention wrong in one way, each on a case where that way matters."""
 TOLERANCE = 1e-10
-_REFERENCES: dict[Case, dict[str, Any]] = {}
+_REFERENCES: dict[tuple[Case, bool], dict[str, Any]] = {}
 
 
-def _reference(case: Case) -> dict[str, Any]:
-    if case not in _REFERENCES:
-        (_REFERENCES[case],) = launch(grad_ranks.reference_on_rank, 1, args=(case,), sys_path=SYS_PATH, timeout=300)
-    return _REFERENCES[case]
+def _reference(case: Case, mixing: bool = False) -> dict[str, Any]:
+    if (case, mixing) not in _REFERENCES:
+        (_REFERENCES[case, mixing],) = launch(
+            grad_ranks.reference_on_rank, 1, args=(case, mixing), sys_path=SYS_PATH, timeout=300
+        )
+    return _REFERENCES[case, mixing]
 
 
-def _run(case: Case, *, drop: bool, unsupported: bool = False) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    reference = _reference(case)
-    args = (case, reference["weights"], drop, unsupported)
+def _run(
+    case: Case, *, drop: bool, unsupported: bool = False, mixing: bool = False, fault: str | None = None
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    reference = _reference(case, mixing)
+    args = (case, reference["weights"], drop, unsupported, mixing, fault)
     ranks = launch(grad_ranks.schedule_on_rank, 4, args=args, sys_path=SYS_PATH, timeout=600)
     skips = {rank.get("skip") for rank in ranks}
     if skips != {None}:
@@ -107,3 +124,25 @@ def test_without_the_model_support_pins_that_need_it_train_wrong() -> None:
         assert not any(wrong), wrong
     else:
         assert all(wrong), f"{generation.id}: the pin's own attention trained dynamic CP right without the support"
+
+
+@pytest.mark.parametrize("case", MIXING, ids=[case.name for case in MIXING])
+def test_an_attention_that_mixes_tokens_matches_the_unpacked_batch(case: Case) -> None:
+    """Two layers of causal attention per document over each microbatch's CP group (K/V gathered over the bin's
+    group, zigzag halves kept): the summed loss and every gradient equal the unpacked batch's."""
+    reference, ranks = _run(case, drop=False, mixing=True)
+    for step in reference["steps"]:
+        assert all(float(grad.abs().max()) > 0 for grad in step["grads"].values()), "a parameter gets no gradient"
+    if case.dynamic_cp and case.layout.dp == 4:
+        sizes = {size for rank in ranks for size in rank["cp_sizes"]}
+        assert {1, 4} <= sizes, f"the batch does not exercise CP-less bins and groups of 4: {sizes}"
+    for rank in ranks:
+        assert not _differences(reference, rank), (rank["generation"], rank["backend"], _differences(reference, rank))
+
+
+@pytest.mark.parametrize(("fault", "case"), FAULTS, ids=[fault for fault, _ in FAULTS])
+def test_a_wrong_attention_is_caught(fault: str, case: Case) -> None:
+    """Documents' boundaries shifted, K/V gathered over the static group, zigzag halves swapped: each changes the
+    loss or a gradient, so the test above would see it."""
+    reference, ranks = _run(case, drop=False, mixing=True, fault=fault)
+    assert all(_differences(reference, rank) for rank in ranks), f"{fault} changed nothing"
