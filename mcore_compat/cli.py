@@ -62,7 +62,8 @@ def switch(
 ) -> int:
     """``pin <name>``: install the pin into this environment with pip (never through a shell), then run the doctor.
 
-    Exit status 1 where a checkout on ``PYTHONPATH`` shadows what was installed (see :func:`shadowed_install`).
+    Exit status 1 where nothing runs after the switch (the doctor's verdict) or a checkout on ``PYTHONPATH`` shadows
+    what was installed (see :func:`shadowed_install`).
     """
     pin = table.get(name)
     pins.check_python(pin)
@@ -76,7 +77,9 @@ def switch(
     package_root = str(Path(__file__).resolve().parent.parent)
     env = {**environ, "PYTHONPATH": os.pathsep.join(filter(None, (package_root, environ.get("PYTHONPATH"))))}
     doctor = run([python, "-m", "mcore_compat", "doctor"], check=False, env=env).returncode
-    if doctor not in (0, 1):
+    if doctor == 1:
+        print(f"mcore-compat pin: installed {pin.name!r}, but nothing runs on it (see the doctor)", file=sys.stderr)
+    if doctor != 0:
         return doctor
     if (found := shadowed()) is not None:
         print(

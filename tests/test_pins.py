@@ -337,7 +337,7 @@ class Recorder:
         return subprocess.CompletedProcess(command, self.codes[len(self.calls) - 1])
 
 
-@pytest.mark.parametrize(("doctor_code", "expected"), [(0, 0), (1, 0), (3, 3)])
+@pytest.mark.parametrize(("doctor_code", "expected"), [(0, 0), (1, 1), (3, 3)])
 def test_switch_runs_pip_then_the_doctor_without_a_shell(doctor_code: int, expected: int) -> None:
     run = Recorder([0, 0, doctor_code])
     code = cli.switch(
