@@ -34,30 +34,36 @@ pytestmark = [pytest.mark.history, pytest.mark.skipif(not AVAILABLE, reason=HOW_
 LAYOUT = Layout(1, 2, 2)
 BASE = {"num_microbatches": 4, "max_seqlen_per_dp_cp_rank": 32}
 PAD_IDS = (0, -1, -100, 2**40)
+
+
+def _name(pad: int, dynamic: bool) -> str:
+    return f"padding {pad}, {'dynamic' if dynamic else 'static'} CP"
+
+
 CASES = [
-    BadInput(f"{pad} {dynamic}", f"pad_ids:{pad}", index=-1, dp_rank=None, dynamic_cp=dynamic)
+    BadInput(_name(pad, dynamic), f"pad_ids:{pad}", index=-1, dp_rank=None, dynamic_cp=dynamic)
     for dynamic in (False, True)
     for pad in PAD_IDS
 ]
 TREES = [*FIRST_COMMITS, *((gen, commit[:10]) for commit, gen in TIPS.values())]
 MARK = -7
+LENGTHS = (4, 8)
+
+
+def _marked(sequences: list[torch.Tensor]) -> torch.Tensor:
+    """The sequences back to back, each padded to its length in :data:`LENGTHS` with :data:`MARK`."""
+    return torch.cat([torch.cat((s, torch.full((n - len(s),), MARK))) for s, n in zip(sequences, LENGTHS, strict=True)])
 
 
 def _packed_microbatch() -> dict[str, torch.Tensor]:
     """Two sequences as a scheduler yields them: 3 of 4 and 5 of 8 tokens real, :data:`MARK` in every padding slot."""
     real = [torch.arange(1, 4), torch.arange(11, 16)]
-    padded = [torch.cat((r, torch.full((n - len(r),), MARK))) for r, n in zip(real, (4, 8), strict=True)]
-    tokens = torch.cat(padded)
+    tokens = _marked(real)
     return {
         "tokens": tokens,
         "labels": tokens.clone(),
         "loss_mask": (tokens != MARK).float(),
-        "position_ids": torch.cat(
-            [
-                torch.cat((torch.arange(len(r)), torch.full((n - len(r),), MARK)))
-                for r, n in zip(real, (4, 8), strict=True)
-            ]
-        ),
+        "position_ids": _marked([torch.arange(len(s)) for s in real]),
         "cu_seqlens": torch.tensor([0, 3, 8], dtype=torch.int32),
         "cu_seqlens_padded": torch.tensor([0, 4, 12], dtype=torch.int32),
         "max_seqlen": torch.tensor(8, dtype=torch.int32),
@@ -113,11 +119,11 @@ def test_padding_ids_run_as_zero_padding_on_a_real_tree(generation: str, commit:
         for outcome in ranks["outcomes"]:
             runs.setdefault(outcome.name, []).append(outcome)
     for dynamic, request in ((False, ("dp_balanced", False)), (True, ("default_dynamic_cp", True))):
-        zero = runs[f"0 {dynamic}"]
+        zero = runs[_name(0, dynamic)]
         if RUNS[generation][request]:
             assert {o.kind for o in zero} == {"ok"}, f"{generation} {request}: {[o.message for o in zero][:1]}"
         for pad in PAD_IDS[1:]:
-            got = runs[f"{pad} {dynamic}"]
+            got = runs[_name(pad, dynamic)]
             for mine, ref in zip(got, zero, strict=True):
                 assert (mine.kind, mine.message) == (ref.kind, ref.message), f"{generation} pad {pad}: {mine.message}"
                 assert mine.fetched == ref.fetched, f"{generation} pad {pad}: rank {mine.rank} fetched otherwise"
