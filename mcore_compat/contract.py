@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import itertools
 import math
 import struct
 from collections.abc import Callable, Iterator, Mapping
@@ -605,23 +604,23 @@ def _values_in_range(samples: list[Sample], limits: Limits) -> bool:
             return True
         half = len(ids) // 2
         tokens, labels = ids[:half], ids[half:]
-        if tokens.min().item() < 0:
-            if limits.padding_reaches_model:
-                return False
-            real = ~padding_mask(*_step_bounds(samples, tokens.device))
-            if bool((tokens[real] < 0).any()):
-                return False
+        if tokens.min().item() < 0 and (limits.padding_reaches_model or _negative_real_token(tokens, samples)):
+            return False
         mask = torch.cat([f["loss_mask"] for f in fields]).to(labels.device)
         return not bool(((labels < 0) & (mask != 0)).any())
     except RuntimeError:
         return False
 
 
-def _step_bounds(samples: list[Sample], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cu_seqlens`` and ``cu_seqlens_padded`` of the step's sequences back to back."""
-    real = [0, *itertools.accumulate(s.original for s in samples)]
-    padded = [0, *itertools.accumulate(s.padded for s in samples)]
-    return torch.tensor(real, device=device), torch.tensor(padded, device=device)
+def _negative_real_token(tokens: torch.Tensor, samples: list[Sample]) -> bool:
+    """Whether a negative id of the step's tokens (its sequences back to back) lies on a real slot: each negative
+    slot is placed in its sequence by the sequences' ends, and is real where it lies before the real length."""
+    at = torch.nonzero(tokens < 0).reshape(-1)
+    padded = torch.tensor([s.padded for s in samples], device=at.device)
+    original = torch.tensor([s.original for s in samples], device=at.device)
+    ends = torch.cumsum(padded, 0)
+    which = torch.searchsorted(ends, at, right=True)
+    return bool((at - (ends - padded)[which] < original[which]).any())
 
 
 def bad_value(
