@@ -10,12 +10,10 @@ left waiting on a failed rank span the DP x CP groups of the loading ranks, the 
 their TP rank 0, and the PP stages that wait for each other at the trainer's next send/recv, which
 together are every rank.
 From the gathered rows every rank computes the same verdict (:func:`decide`) and raises
-:class:`~mcore_compat.portable.errors.PortablePackingError` (a
-:class:`~mcore_compat.errors.BadSampleError`) for bad data,
-:class:`~mcore_compat.portable.errors.AgreedConfigError` (a
-:class:`~mcore_compat.errors.PackingConfigError`) for per-step arguments or settings that are wrong on
-some rank, or ``StopIteration`` when the data ran out on every loading rank at once, before anything
-else can hang.
+:class:`~mcore_compat.errors.BadSampleError` for bad data,
+:class:`~mcore_compat.errors.PackingConfigError` for per-step arguments or settings that are wrong on
+some rank (:func:`~mcore_compat.problems.error_for`), or ``StopIteration`` when the data ran out on every
+loading rank at once, before anything else can hang.
 
 A rank whose own checks of its settings refuse the step (a capacity of None, a misspelt scheduler, a
 dynamic-CP rule) does not raise alone either: :func:`fail_together` joins the same agreement with the
@@ -43,7 +41,8 @@ import torch.distributed as dist
 
 from mcore_compat.contract import LocalBatch
 from mcore_compat.errors import PackingError
-from mcore_compat.portable.errors import (
+from mcore_compat.portable.exchange import all_gather_rows
+from mcore_compat.problems import (
     NOT_AN_INT,
     OK,
     REFUSAL_KINDS,
@@ -54,8 +53,7 @@ from mcore_compat.portable.errors import (
     ran_out,
     record,
 )
-from mcore_compat.portable.exchange import all_gather_rows
-from mcore_compat.runtime import settings_words
+from mcore_compat.rules import settings_words
 
 __all__ = [
     "CONTENT_BYTES",
@@ -123,7 +121,7 @@ class Row:
 
 def microbatch_count(num_microbatches: Any) -> int:
     """``num_microbatches`` as the agreement carries it: the integer (a numpy or 0-d tensor integer too), or
-    :data:`~mcore_compat.portable.errors.NOT_AN_INT` for a bool or anything that is not an integer.
+    :data:`~mcore_compat.problems.NOT_AN_INT` for a bool or anything that is not an integer.
 
     A rank pulls ``max(count, 0)`` items; :func:`decide` rejects a count below 1 on every rank.
     """
@@ -189,7 +187,7 @@ def decide(rows: Sequence[Row]) -> list[int]:
     ``a``, the message length in ``b`` and the number of refusing ranks in ``c``); a ``num_microbatches``
     below 1 or not an int; ranks passing different ``num_microbatches``; ranks reading different packing
     settings from their model config; the data running out on every loading rank
-    (:func:`~mcore_compat.portable.errors.ran_out`: ``StopIteration`` when it ended between steps); the first
+    (:func:`~mcore_compat.problems.ran_out`: ``StopIteration`` when it ended between steps); the first
     loading rank's problem; CP siblings (same PP stage and DP rank) that were fed different lengths; pipeline stages
     that load data for one DP rank and were fed different lengths; any of these fed different contents where both
     read theirs (:func:`content`).

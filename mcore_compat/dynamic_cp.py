@@ -24,17 +24,15 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-import mcore_compat.runtime as runtime
 from mcore_compat.capabilities import Capabilities
-from mcore_compat.errors import PackingConfigError, UnsupportedPinError
+from mcore_compat.errors import UnsupportedPinError
+from mcore_compat.rules import check_min_dynamic_cp_size, invalid_groups
 
 __all__ = [
     "DYNAMIC_SCHEDULER",
-    "check_dynamic_cp_rules",
     "dynamic_cp_group",
     "dynamic_cp_initialize_keywords",
     "first_dynamic_cp_pin",
-    "hybrid_flag_problem",
     "model_refusal",
     "require_dynamic_cp_groups",
 ]
@@ -62,14 +60,6 @@ def model_refusal(capabilities: Capabilities, model_config: Any = None) -> str |
     return dynamic_cp_model_refusal(capabilities, model_config)
 
 
-def _power_of_two(n: int) -> bool:
-    return n >= 1 and n & (n - 1) == 0
-
-
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
 def dynamic_cp_initialize_keywords(capabilities: Capabilities, min_size: int = 1) -> dict[str, Any]:
     """The ``initialize_model_parallel`` keywords that create the pin's DP x CP sub-groups.
 
@@ -78,10 +68,7 @@ def dynamic_cp_initialize_keywords(capabilities: Capabilities, min_size: int = 1
     ``hybrid_context_parallel=True``. Raises ``PackingConfigError`` for a ``min_size`` that is not a power of
     two, ``UnsupportedPinError`` on pins without such groups (both ``ValueError``).
     """
-    if not _positive_int(min_size) or not _power_of_two(min_size):
-        raise PackingConfigError(
-            f"min_size={min_size!r}: use a power of two (1, 2, 4, ...) no larger than DP x CP, as an int"
-        )
+    check_min_dynamic_cp_size("min_size", min_size, None)
     accepted = capabilities.init_cp_keywords
     if "dynamic_context_parallel" in accepted:
         keywords: dict[str, Any] = {"dynamic_context_parallel": True}
@@ -138,7 +125,7 @@ def require_dynamic_cp_groups(capabilities: Capabilities, pool: int, min_size: i
         ranks = _group_ranks(group)
         if group is None or group.size() != size or rank not in ranks:
             found = "none" if group is None else f"a group of {group.size()} ranks {ranks}"
-            raise PackingConfigError(
+            raise invalid_groups(
                 f"parallel_state.{capabilities.dynamic_cp_group_getter}(group_size={size}) returned {found}: "
                 f"dynamic context parallelism needs the DP x CP sub-groups of every power-of-two size up to {pool}; "
                 f"initialise Megatron-Core with {_init_hint(capabilities, min_size)}"
@@ -151,64 +138,3 @@ def _group_ranks(group: Any) -> list[int]:
         return []
     dist = importlib.import_module("torch.distributed")
     return list(dist.get_process_group_ranks(group))
-
-
-def hybrid_flag_problem(capabilities: Capabilities, model_config: Any) -> str | None:
-    """Why ``hybrid_context_parallel=True`` on the model config is wrong on this pin, or None."""
-    fields = capabilities.packing_config_fields
-    if getattr(model_config, "hybrid_context_parallel", None) is not True or "dynamic_context_parallel" in fields:
-        return None
-    return (
-        "model_config.hybrid_context_parallel=True: on this Megatron-Core it makes forward_backward_no_pipelining "
-        "divert every step into its own hybrid-CP schedule, which does not run packed microbatches; leave it False "
-        "and set model_config.dynamic_context_parallel=True (after constructing the config) instead"
-    )
-
-
-def check_dynamic_cp_rules(capabilities: Capabilities, model_config: Any, pg_collection: Any) -> int:
-    """Check the dynamic-CP rules on the model config and groups; return the minimum group size.
-
-    Rules: DP x CP a power of two >= 2; ``min_dynamic_context_parallel_size`` a power of two not above
-    it; per-token loss; micro-batch size 1; no pipeline or virtual pipeline parallelism; no CUDA
-    graphs; ``hybrid_context_parallel`` off where it is not an alias. Attributes the config does not
-    have are not checked. Raises ``PackingConfigError``, which the step's agreement shares with every rank.
-    """
-    pool = runtime.check_dynamic_cp_pool(pg_collection)
-    min_size = getattr(model_config, "min_dynamic_context_parallel_size", 1)
-    if not _positive_int(min_size) or not _power_of_two(min_size) or min_size > pool:
-        raise PackingConfigError(
-            f"model_config.min_dynamic_context_parallel_size={min_size!r}: set it to a power of two no larger than "
-            f"DP x CP ({pool}), e.g. 1"
-        )
-    if pg_collection.pp.size() > 1:
-        raise PackingConfigError(
-            f"pipeline_model_parallel_size={pg_collection.pp.size()}: dynamic context parallelism runs without "
-            "pipeline parallelism; set pipeline_model_parallel_size=1"
-        )
-    vpp = getattr(model_config, "virtual_pipeline_model_parallel_size", None)
-    if vpp is not None and vpp != 1:
-        raise PackingConfigError(
-            f"model_config.virtual_pipeline_model_parallel_size={vpp!r}: dynamic context parallelism runs without "
-            "virtual pipeline parallelism; set it to None"
-        )
-    if getattr(model_config, "calculate_per_token_loss", True) is not True:
-        raise PackingConfigError(
-            f"model_config.calculate_per_token_loss={model_config.calculate_per_token_loss!r}: bins on groups of "
-            "different sizes hold different token counts; set calculate_per_token_loss=True"
-        )
-    micro_batch_size = getattr(model_config, "micro_batch_size", 1)
-    if micro_batch_size != 1:
-        raise PackingConfigError(
-            f"micro_batch_size={micro_batch_size!r}: each packed microbatch is built from single samples; set it to 1"
-        )
-    graphs = getattr(model_config, "cuda_graph_impl", "none")
-    if graphs not in (None, "none") or getattr(model_config, "enable_cuda_graph", False):
-        raise PackingConfigError(
-            f"model_config.cuda_graph_impl={graphs!r} (enable_cuda_graph="
-            f"{getattr(model_config, 'enable_cuda_graph', False)!r}): CUDA graphs need one static shape and "
-            "dynamic-CP bins vary in length and group; set cuda_graph_impl='none' and enable_cuda_graph=False"
-        )
-    problem = hybrid_flag_problem(capabilities, model_config)
-    if problem is not None:
-        raise PackingConfigError(problem)
-    return min_size

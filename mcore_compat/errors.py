@@ -13,6 +13,9 @@ __all__ = ["BadSampleError", "PackingConfigError", "PackingError", "UnsupportedP
 class PackingError(ValueError):
     """Base class of every error global-batch packing raises for bad input or an unsuitable pin."""
 
+    verdict: tuple[int, ...] = ()
+    """Where every rank of a step raised it together: the agreed problem record (``mcore_compat.problems``)."""
+
 
 class PackingConfigError(PackingError):
     """The configuration is wrong: a config field, or an argument the trainer passes on every step.
@@ -31,5 +34,5 @@ class UnsupportedPinError(PackingError):
 class BadSampleError(PackingError):
     """A sample, or the data iterator that yields samples, breaks the data contract at run time.
 
-    The portable backend raises it on every rank of the step with the same message.
+    Both backends raise it on every rank of the step with the same message.
     """

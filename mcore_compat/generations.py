@@ -64,6 +64,10 @@ FETCH_FUNCTION = "get_batch_on_this_rank_for_sequence_packing"
 SCALARS_BROADCAST_FUNCTION = "broadcast_scalars"
 """The function of :data:`SCHEDULER_UTILS_MODULE`, ``(values, group, dev)``, with which every native generation's
 ``wrap_data_iterator`` sends its TP rank 0's microbatch count and FLOPs sums to the other TP ranks (G2-G8, M3)."""
+STATIC_SCHEDULERS: tuple[str, ...] = ("dp_balanced",)
+"""Megatron-Core's scheduler names for static context parallelism (its registry's string keys)."""
+DYNAMIC_CP_SCHEDULERS: tuple[str, ...] = ("default_dynamic_cp",)
+"""Megatron-Core's scheduler names that form dynamic context-parallel groups."""
 PACKING_MOE_DISPATCHERS = ("alltoall", "flex")
 """The MoE token dispatchers dev's ``TransformerConfig`` accepts with a packing scheduler (it asserts so when the
 scheduler is given to its constructor): ``allgather`` gathers equal token counts over the TP x EP ranks, while the

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from mcore_compat.errors import BadSampleError
 from mcore_compat.generations import MODEL_COMPONENTS, ModelComponent
 
 __all__ = [
@@ -194,7 +195,7 @@ def _microbatch_group(packed_seq_params: Any, local_cp_size: Any) -> Any:
         return group
     if int(local_cp_size) == 1:
         return NO_CP_GROUP
-    raise ValueError(
+    raise BadSampleError(
         f"packed_seq_params.local_cp_size={local_cp_size} without packed_seq_params.cp_group: a dynamic-CP "
         "microbatch on more than one rank must carry its DP x CP sub-group (the pin's "
         "get_hybrid_data_context_parallel_groups(group_size=local_cp_size))"

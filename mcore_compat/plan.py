@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mcore_compat.errors import BadSampleError
 from mcore_compat.portable import SCHEDULERS
-from mcore_compat.portable.errors import PortablePackingError
 from mcore_compat.portable.schedule import PLANNERS, plan_dp_balanced
 
 __all__ = [
@@ -279,7 +279,7 @@ def plan_lengths(
         rule = {"first_bin_donates": first_bin_donates} if planner is plan_dp_balanced else {}
         try:
             plan = planner(padded, capacity=capacity, dp_size=layout.dp, **rule)
-        except PortablePackingError as exc:
+        except BadSampleError as exc:
             pin = " (as this pin's Megatron-Core runs it)" if rule and not first_bin_donates else ""
             raise PlanInputError(f"--scheduler {name}{pin}: {exc}") from None
         reports.append(_report(name, plan.bins, layout.dp, raw, padded))

@@ -22,7 +22,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from mcore_compat.contract import (
@@ -30,11 +29,11 @@ from mcore_compat.contract import (
     REQUIRED_SAMPLE_KEYS,
     SAMPLE_DTYPES,
     TOKEN_KEYS,
-    alignment_multiple,
     bad_value,
     without_data,
 )
-from mcore_compat.errors import BadSampleError, PackingConfigError
+from mcore_compat.errors import BadSampleError
+from mcore_compat.rules import INT32_LIMIT, alignment_multiple, int64_id, positive_int
 
 __all__ = [
     "LENGTH_KEYS",
@@ -55,10 +54,10 @@ UnpackedSample = dict[str, torch.Tensor]
 _BUILD_HINT = "build samples with packing.global_batch.build_unpacked_sequence_sample"
 
 
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < 2**31:
-        raise PackingConfigError(f"{name}={value!r}: pass a positive int (below 2**31: lengths are int32)")
-    return value
+def _multiple(value: Any) -> int:
+    return positive_int(
+        "pad_to_multiple_of", value, "the multiple lengths are padded to; they are int32", below=INT32_LIMIT
+    )
 
 
 def _as_1d(name: str, values: Sequence[Any] | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -79,13 +78,6 @@ def _as_1d(name: str, values: Sequence[Any] | torch.Tensor, dtype: torch.dtype) 
         what = "integer token ids" if dtype == torch.int64 else "real numbers"
         raise BadSampleError(f"{name} has dtype {tensor.dtype}: pass {what}")
     return tensor.to(dtype)
-
-
-def _pad_id(name: str, value: Any) -> int:
-    """An int64 id to pad with: a Python or numpy integer (not a bool); any value, as padding is never embedded."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or not -(2**63) <= value < 2**63:
-        raise PackingConfigError(f"{name}={value!r:.60}: pass an int64 id")
-    return int(value)
 
 
 def _check_values(
@@ -131,9 +123,9 @@ def build_unpacked_sequence_sample(
     pad (-1, -100, a tokenizer's pad id): every pin writes 0 over padding before the model reads it, unless
     :func:`fold_alignment_padding` makes it real tokens.
     """
-    multiple = _positive_int("pad_to_multiple_of", pad_to_multiple_of)
-    pad_id = _pad_id("pad_token_id", pad_token_id)
-    label_pad = pad_id if ignore_label_id is None else _pad_id("ignore_label_id", ignore_label_id)
+    multiple = _multiple(pad_to_multiple_of)
+    pad_id = int64_id("pad_token_id", pad_token_id)
+    label_pad = pad_id if ignore_label_id is None else int64_id("ignore_label_id", ignore_label_id)
     tokens_t = _as_1d("tokens", tokens, torch.int64)
     labels_t = _as_1d("labels", labels, torch.int64)
     mask_t = _as_1d("loss_mask", loss_mask, torch.float32)
@@ -226,7 +218,7 @@ def validate_unpacked_sample(sample: Mapping[str, Any], *, pad_to_multiple_of: i
             f"original_seq_len={original}), where Megatron-Core trains on nothing: put the real tokens first (right "
             f"padding) and set loss_mask to 0 on padding; {_BUILD_HINT}"
         )
-    if pad_to_multiple_of is not None and length % _positive_int("pad_to_multiple_of", pad_to_multiple_of):
+    if pad_to_multiple_of is not None and length % _multiple(pad_to_multiple_of):
         raise BadSampleError(
             f"sample['padded_seq_len']=[{padded}] is not a multiple of {pad_to_multiple_of}: pad every sample "
             f"to a multiple of the alignment multiple (dataset.global_batch_packing_pad_to_multiple_of); "

@@ -25,7 +25,7 @@ from mcore_compat.agreement import (
 )
 from mcore_compat.contract import LocalBatch, Sample
 from mcore_compat.errors import PackingConfigError, UnsupportedPinError
-from mcore_compat.portable.errors import OK, REFUSAL_KINDS, SETTINGS_FIELDS, Problem, record
+from mcore_compat.problems import OK, REFUSAL_KINDS, SETTINGS_FIELDS, Problem, record
 
 
 def _row(dp: int, verdict: list[int] | None = None, count: int = 4, loads: int = 1, settings: int = 7) -> Row:

@@ -115,6 +115,10 @@ class Fetch:
     ):  # type: ignore[no-untyped-def]  # noqa: E501
         return self._answer(data_iterator, dynamic_cp=dynamic_cp, config=config, pg=pg_collection)
 
+    def keywords(self, data_iterator, **kwargs):  # type: ignore[no-untyped-def]
+        """A fetch that takes any keyword (a wrapper of Megatron-Core's, as a trainer may install)."""
+        return self._answer(data_iterator, **kwargs)
+
 
 def stand_in_data_schedule(
     monkeypatch: pytest.MonkeyPatch,
@@ -173,7 +177,7 @@ def test_wrap_calls_the_patched_scheduler_api_with_the_iterator_only_on_tp_rank_
     assert (type(first.packed_num_microbatches), type(first.seqlen_sum)) == (int, float)
 
 
-@pytest.mark.parametrize("shape", ["main", "dev_g4", "dev"])
+@pytest.mark.parametrize("shape", ["main", "dev_g4", "dev", "keywords"])
 @pytest.mark.parametrize("dynamic_cp", [False, True])
 def test_get_batch_passes_only_the_keywords_the_fetch_accepts(
     monkeypatch: pytest.MonkeyPatch, finalized: list[Any], shape: str, dynamic_cp: bool
@@ -185,13 +189,15 @@ def test_get_batch_passes_only_the_keywords_the_fetch_accepts(
     batch = packing.get_batch_for_global_batch_packing("iterator", config, pg_collection=groups, vp_stage=None)
 
     [(iterator, kwargs)] = fetch.calls
-    assert iterator == "iterator" and kwargs["pg"] is groups
+    assert iterator == "iterator" and kwargs.get("pg", kwargs.get("pg_collection")) is groups
     if shape == "main":
         assert kwargs == {"vpp_size": None, "mtp_on_this_rank": False, "vp_stage": None, "pg": groups}
     else:
         assert kwargs["dynamic_cp"] is dynamic_cp
-    if shape == "dev":
+    if shape in ("dev", "keywords"):
         assert kwargs["config"] is config
+    if shape == "keywords":  # Bridge's module forwards dynamic_cp (and config) to a **kwargs fetch too
+        assert set(kwargs) == {"vpp_size", "mtp_on_this_rank", "vp_stage", "pg_collection", "dynamic_cp", "config"}
     assert isinstance(batch, packing.PackedBatch) and len(batch) == 7
     assert batch[:5] == SEVEN and finalized == [batch.packed_seq_params]
     assert batch.padding_mask == (None if shape == "dev_g4" else "padding_mask")

@@ -235,7 +235,12 @@ BAD = [
     (
         "scheduler-not-a-name",
         {"model.sequence_packing_scheduler": 3},
-        ["model.sequence_packing_scheduler=3", "scheduler name such as 'dp_balanced'"],
+        ["model.sequence_packing_scheduler=3", "pass a string such as 'dp_balanced'"],
+    ),
+    (
+        "scheduler-typo",
+        {"model.sequence_packing_scheduler": "dp_balance"},
+        ["model.sequence_packing_scheduler='dp_balance' is not a scheduler name", "did you mean 'dp_balanced'?"],
     ),
     # 4. unpacked samples
     (

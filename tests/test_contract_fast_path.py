@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from mcore_compat import contract
-from mcore_compat.contract import Limits, check_items
-from mcore_compat.portable.errors import SAMPLE_KEYS, Problem, describe, record
+from mcore_compat.contract import Limits, check_items, checks
+from mcore_compat.problems import OK, SAMPLE_KEYS, Problem, describe, record
 from mcore_compat.testing.samples import ITEM_LAYOUTS, SampleSpec
 from tests.bad_input_ranks import ITERATOR_MUTATIONS, mutate
 from tests.test_bad_input import CASES
@@ -43,15 +43,15 @@ def _outcome(items: list) -> tuple:
 def test_the_one_pass_check_agrees_with_the_field_by_field_checks(mutation, index, monkeypatch):
     """The first, a middle or the last sample mutated: the leading plain run ends there."""
     one_pass = _outcome(_items(mutation, index=index))
-    monkeypatch.setattr(contract, "_plain_unpacked", lambda raw, limits: None)
+    monkeypatch.setattr(checks, "_plain_unpacked", lambda raw, limits: None)
     assert _outcome(_items(mutation, index=index)) == one_pass
 
 
 @pytest.mark.parametrize("layout", ITEM_LAYOUTS)
 def test_every_item_layout_gets_the_same_sequences(layout, monkeypatch):
     one_pass = _outcome(_items(None, layout))
-    assert one_pass[0] == contract.OK and one_pass[1]
-    monkeypatch.setattr(contract, "_plain_unpacked", lambda raw, limits: None)
+    assert one_pass[0] == OK and one_pass[1]
+    monkeypatch.setattr(checks, "_plain_unpacked", lambda raw, limits: None)
     assert _outcome(_items(None, layout)) == one_pass
 
 
@@ -69,7 +69,7 @@ def test_a_step_is_plain_only_when_megatron_core_reads_every_sample_as_it_is(mut
 
 
 def test_sequences_longer_than_the_counting_tensor_are_compared_in_place():
-    length = contract._cpu_counting.numel() + 8
+    length = checks._cpu_counting.numel() + 8
     sample = {
         "tokens": torch.zeros(length, dtype=torch.int64),
         "labels": torch.zeros(length, dtype=torch.int64),
@@ -77,14 +77,14 @@ def test_sequences_longer_than_the_counting_tensor_are_compared_in_place():
         "position_ids": torch.arange(length),
         "padded_seq_len": torch.tensor([length], dtype=torch.int32),
     }
-    assert contract._plain_unpacked(sample, Limits()) is not None
+    assert checks._plain_unpacked(sample, Limits()) is not None
     sample["position_ids"] = torch.cat([torch.arange(length - 1), torch.tensor([0])])
-    assert contract._plain_unpacked(sample, Limits()) is None
-    assert contract._wrong_position(sample["position_ids"], 0, length) == length - 1
+    assert checks._plain_unpacked(sample, Limits()) is None
+    assert checks._wrong_position(sample["position_ids"], 0, length) == length - 1
 
 
 def test_padding_longer_than_the_zeros_is_compared_in_place():
-    padding = contract._cpu_zeros.numel() + 8
+    padding = checks._cpu_zeros.numel() + 8
     length = padding + 2
     sample = {
         "tokens": torch.zeros(length, dtype=torch.int64),
@@ -94,10 +94,10 @@ def test_padding_longer_than_the_zeros_is_compared_in_place():
         "original_seq_len": torch.tensor([2], dtype=torch.int32),
         "padded_seq_len": torch.tensor([length], dtype=torch.int32),
     }
-    assert contract._plain_unpacked(sample, Limits()) is not None
+    assert checks._plain_unpacked(sample, Limits()) is not None
     sample["loss_mask"][-1] = 1.0
-    assert contract._plain_unpacked(sample, Limits()) is None
-    assert contract._loss_on_padding(sample["loss_mask"], 2, length) == padding - 1
+    assert checks._plain_unpacked(sample, Limits()) is None
+    assert checks._loss_on_padding(sample["loss_mask"], 2, length) == padding - 1
 
 
 def test_negative_zero_on_padding_is_no_loss_on_either_path(monkeypatch):
@@ -107,8 +107,8 @@ def test_negative_zero_on_padding_is_no_loss_on_either_path(monkeypatch):
     original = int(sample["original_seq_len"])
     sample["loss_mask"][original:] = -0.0
     one_pass = _outcome(items)
-    assert one_pass[0] == contract.OK
-    monkeypatch.setattr(contract, "_plain_unpacked", lambda raw, limits: None)
+    assert one_pass[0] == OK
+    monkeypatch.setattr(checks, "_plain_unpacked", lambda raw, limits: None)
     assert _outcome(items) == one_pass
 
 
@@ -150,10 +150,10 @@ def test_token_ids_and_trained_labels_must_not_be_negative(
         items = [mutate("prepacked", s, CAPACITY, ALIGN) for s in items]
     verdict = check_items(items, 0, limits)[1]
     if named is None:
-        assert verdict == contract.OK
+        assert verdict == OK
     else:
         assert verdict == record(Problem.BAD_VALUE, 0, index, a=SAMPLE_KEYS.index(named), b=at, c=value)
         message = describe(verdict)
         assert f"{named}[{at}]={value}" in message and f"sample {index}" in message
-    monkeypatch.setattr(contract, "_values_in_range", lambda samples, limits: False)
+    monkeypatch.setattr(checks, "_values_in_range", lambda samples, limits: False)
     assert check_items(items, 0, limits)[1] == verdict

@@ -70,10 +70,10 @@ def test_alignment_multiple(dynamic_cp: bool, dp: int, cp: int, tp: int, sp: boo
 @pytest.mark.parametrize(
     ("sizes", "fragment"),
     [
-        ({"dp": 0, "cp": 1, "tp": 1}, "dp=0: pass a positive int"),
-        ({"dp": 1, "cp": -2, "tp": 1}, "cp=-2: pass a positive int"),
-        ({"dp": 1, "cp": 1, "tp": True}, "tp=True: pass a positive int"),
-        ({"dp": 1, "cp": 2.0, "tp": 1}, "cp=2.0: pass a positive int"),
+        ({"dp": 0, "cp": 1, "tp": 1}, "dp=0: set it to a positive int"),
+        ({"dp": 1, "cp": -2, "tp": 1}, "cp=-2: set it to a positive int"),
+        ({"dp": 1, "cp": 1, "tp": True}, "tp=True: set it to a positive int"),
+        ({"dp": 1, "cp": 2.0, "tp": 1}, "cp=2.0: set it to a positive int"),
     ],
 )
 def test_alignment_multiple_rejects_bad_sizes(sizes: dict[str, object], fragment: str) -> None:

@@ -1,4 +1,6 @@
-"""The import layering: leaves import nothing of the package, no import circle, only mcore_compat imports megatron.
+"""The code's shape: leaves import nothing of the package, no import circle between modules nor between units (a
+sub-package counts as one), only mcore_compat imports megatron, a thin facade over the declared adapter interface,
+functions that fit on a screen.
 
 The import checks run in fresh interpreters (as array-api-compat's ``test_no_dependencies.py`` does), so that
 nothing this test session already imported can hide a dependency.
@@ -7,12 +9,16 @@ nothing this test session already imported can hide a dependency.
 from __future__ import annotations
 
 import ast
+import graphlib
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+import mcore_compat
+from mcore_compat.protocols import PackingBackend
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "mcore_compat"
@@ -111,3 +117,141 @@ def test_only_mcore_compat_imports_megatron() -> None:
 def test_the_megatron_scan_finds_what_it_looks_for(tmp_path: Path) -> None:
     probe = ROOT / "mcore_compat" / "capabilities.py"
     assert _megatron_imports(probe), "capabilities.py imports megatron.core; the scan must see it"
+
+
+# -- units: a sub-package of mcore_compat counts as one -------------------------------------------------
+
+PACKAGES = ("mcore_compat", "packing")
+MAX_FUNCTION_LINES = 80
+MAX_FACADE_LINES = 200
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def unit(module: str) -> str:
+    """The unit a module belongs to: a sub-package of mcore_compat as a whole, each top-level module alone,
+    the packing facade as a whole."""
+    parts = module.split(".")
+    if parts[0] == "packing":
+        return "packing"
+    if len(parts) > 1 and f"{parts[0]}.{parts[1]}" in MODULES and (ROOT / parts[0] / parts[1]).is_dir():
+        return f"{parts[0]}.{parts[1]}"
+    return ".".join(parts[:2])
+
+
+def _targets(node: ast.AST, module: str) -> list[str]:
+    """The project modules one import statement loads (``from mcore_compat import adapter`` loads what the
+    package's lazy table names)."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    assert isinstance(node, ast.ImportFrom)
+    base = node.module or ""
+    if node.level:
+        anchor = module.split(".")[: len(module.split(".")) - node.level + (module in _PACKAGE_INITS)]
+        base = ".".join([*anchor, *([base] if base else [])])
+    targets = []
+    for alias in node.names:
+        name = f"{base}.{alias.name}"
+        if name in MODULES:
+            targets.append(name)
+        elif base == "mcore_compat" and alias.name in mcore_compat._LAZY:
+            targets.append(mcore_compat._LAZY[alias.name])
+        else:
+            targets.append(base)
+    return targets
+
+
+_PACKAGE_INITS = {name for name, path in MODULES.items() if path.name == "__init__.py"}
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Unit -> the units it imports (every import: module level, in functions, under TYPE_CHECKING)."""
+    graph: dict[str, set[str]] = {}
+    for module, path in MODULES.items():
+        if module == "mcore_compat":
+            continue  # the root only re-exports, lazily (its table is read in _targets)
+        source = unit(module)
+        edges = graph.setdefault(source, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                for target in _targets(node, module):
+                    if target.split(".")[0] in PACKAGES and target != "mcore_compat" and unit(target) != source:
+                        edges.add(unit(target))
+    return graph
+
+
+def test_the_units_import_each_other_without_a_cycle():
+    graph = import_graph()
+    assert {"mcore_compat.portable", "mcore_compat.adapters", "mcore_compat.rules", "packing"} <= set(graph)
+    try:
+        order = list(graphlib.TopologicalSorter(graph).static_order())
+    except graphlib.CycleError as error:
+        raise AssertionError(f"import cycle between units: {' -> '.join(error.args[1])}") from None
+    assert order.index("mcore_compat.rules") < order.index("mcore_compat.adapters") < order.index("packing")
+
+
+def test_mcore_compat_never_imports_the_facade():
+    """Only the test harness (which runs trainer steps on ranks) stands above the facade."""
+    graph = import_graph()
+    above = {"packing", "mcore_compat.testing"}
+    assert [source for source, targets in graph.items() if source not in above and "packing" in targets] == []
+
+
+def _functions(path: Path) -> list[tuple[str, int]]:
+    tree = ast.parse(path.read_text())
+    return [
+        (node.name, node.end_lineno - node.lineno + 1)  # type: ignore[operator]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+    ]
+
+
+def test_no_function_is_longer_than_a_screen():
+    long = [
+        f"{path.relative_to(ROOT)}:{name} ({lines} lines)"
+        for path in MODULES.values()
+        for name, lines in _functions(path)
+        if lines > MAX_FUNCTION_LINES
+    ]
+    assert long == []
+
+
+def test_the_facade_is_thin_and_calls_only_the_declared_interface():
+    path = ROOT / "packing" / "__init__.py"
+    assert len(path.read_text().splitlines()) < MAX_FACADE_LINES
+    tree = ast.parse(path.read_text())
+    called = {
+        node.func.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and isinstance(node.func.value, ast.Call)
+        and isinstance(node.func.value.func, ast.Name)
+        and node.func.value.func.id == "adapter"
+    }
+    named = {
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "chosen"
+    }
+    declared = {name for name in dir(PackingBackend) if not name.startswith("_")}
+    assert {"wrap", "get_batch", "finalize"} <= called
+    assert (called | named) - declared == set()
+
+
+def test_every_adapter_implements_the_declared_interface():
+    from mcore_compat.adapters import ADAPTERS
+
+    declared = {name for name in dir(PackingBackend) if not name.startswith("_")}
+    for cls in ADAPTERS:
+        assert declared <= set(dir(cls)), (cls.__name__, declared - set(dir(cls)))

@@ -18,7 +18,6 @@ import mcore_compat
 import packing
 import packing.types
 from mcore_compat import errors
-from mcore_compat.portable.errors import PortablePackingError
 from packing.config import validate_global_batch_packing
 from packing.global_batch import alignment_multiple, build_unpacked_sequence_sample, validate_unpacked_sample
 
@@ -123,7 +122,6 @@ def test_error_kinds_are_value_errors():
     for kind in kinds:
         assert issubclass(kind, packing.PackingError) and issubclass(kind, ValueError)
     assert len({*kinds}) == 3 and not any(issubclass(a, b) for a in kinds for b in kinds if a is not b)
-    assert issubclass(PortablePackingError, packing.BadSampleError)
 
 
 def test_errors_module_is_a_leaf():

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from mcore_compat import contract
-from mcore_compat.contract import Limits, check_items, convert_items
+from mcore_compat.contract import Limits, check_items, checks, convert_items
 from mcore_compat.generations import GENERATIONS
-from mcore_compat.portable.errors import SAMPLE_KEYS, Problem, describe, record
+from mcore_compat.problems import OK, SAMPLE_KEYS, Problem, describe, record
 
 PAD_IDS = [-1, -100, 2**40]
 """What real pipelines pad with: -1, an ignore index, an id past any vocabulary."""
@@ -66,9 +66,9 @@ def test_any_id_in_padding_is_accepted_with_the_same_sequences_as_zero(
     pad: int, one_pass: bool, form: str, monkeypatch
 ) -> None:
     if not one_pass:
-        monkeypatch.setattr(contract, "_plain_unpacked", lambda raw, limits: None)
+        monkeypatch.setattr(checks, "_plain_unpacked", lambda raw, limits: None)
     samples, verdict, cause, _ = check_items(_step(pad, form), 0, Limits(4, 32))
-    assert verdict == contract.OK and cause is None
+    assert verdict == OK and cause is None
     assert len(samples) == (8 if form == "packed" else 4)  # two sequences per pre-packed sample
     zero, _, _, _ = check_items(_step(0, form), 0, Limits(4, 32))
     assert [(s.original, s.padded) for s in samples] == [(s.original, s.padded) for s in zero]
@@ -86,7 +86,7 @@ def test_padding_that_reaches_the_model_is_checked_like_real_tokens(
 ) -> None:
     """Only the sample holding the negative padding has any: the record names it and the offset in its buffer."""
     if not one_pass:
-        monkeypatch.setattr(contract, "_plain_unpacked", lambda raw, limits: None)
+        monkeypatch.setattr(checks, "_plain_unpacked", lambda raw, limits: None)
     flat = [_unpacked([3, 4, 5], 8, 0), _unpacked([1, 2], 4, 0), _unpacked([7] * 8, 8, 0)]
     if form == "packed":
         flat = [_prepacked(0), _prepacked(0), _prepacked(pad)]
@@ -94,7 +94,7 @@ def test_padding_that_reaches_the_model_is_checked_like_real_tokens(
         flat[item] = _unpacked([1, 2], 4, pad)
     else:
         flat[item] = _unpacked([3, 4, 5], 8, pad)
-    assert _verdict(flat) == contract.OK
+    assert _verdict(flat) == OK
     expected = record(Problem.BAD_VALUE, 0, item, a=SAMPLE_KEYS.index("tokens"), b=at, c=pad)
     assert _verdict(flat, REACHES) == expected
     assert f"tokens[{at}]={pad} is negative" in describe(expected)
@@ -111,7 +111,7 @@ def test_a_negative_real_token_is_refused_where_padding_holds_negative_ids_too(l
 
 def test_labels_in_padding_may_be_any_id_and_trained_labels_stay_checked() -> None:
     step = _step(-100)
-    assert _verdict(step) == contract.OK
+    assert _verdict(step) == OK
     step[0]["labels"][1] = -100  # a real, trained slot
     assert _verdict(step) == record(Problem.BAD_VALUE, 0, 0, a=SAMPLE_KEYS.index("labels"), b=1, c=-100)
 

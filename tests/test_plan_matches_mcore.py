@@ -14,7 +14,7 @@ import random
 import pytest
 
 from mcore_compat import cli
-from mcore_compat.portable.errors import PortablePackingError
+from mcore_compat.errors import BadSampleError
 from mcore_compat.portable.schedule import first_fit_in_order, plan_dp_balanced
 from tests.portable.test_schedule_matches_mcore import _mcore_groups
 
@@ -80,7 +80,7 @@ def test_plan_bins_are_mcores_dp_balanced_bins(tmp_path, capsys):
             assert mcore["first_bin_donates"] is False, native
             unsplit = first_fit_in_order(data["padded"], case["m"] * case["cp"])
             assert data["bins"][0][0] != unsplit[0], native
-            with pytest.raises(PortablePackingError):
+            with pytest.raises(BadSampleError):
                 plan_dp_balanced(
                     data["padded"], capacity=case["m"] * case["cp"], dp_size=case["dp"], first_bin_donates=False
                 )

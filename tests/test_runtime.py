@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from mcore_compat.errors import PackingConfigError
-from mcore_compat.portable.errors import SETTINGS_FIELDS
-from mcore_compat.runtime import (
+from mcore_compat.problems import SETTINGS_FIELDS
+from mcore_compat.rules import (
     check_config_object,
     check_moe_dispatcher,
     check_pipeline_shapes,
@@ -244,7 +244,7 @@ VIRTUAL_STAGE_CASES: list[tuple[dict[str, Any], str | None]] = [
     ({_VPP: True}, "virtual_pipeline_model_parallel_size=True"),
     ({_VPP: 0}, "virtual_pipeline_model_parallel_size=0"),
     ({_VPP: -1}, "virtual_pipeline_model_parallel_size=-1"),
-    ({_VPP: 1, _GROUP: 0}, "microbatch_group_size_per_vp_stage=0 with virtual_pipeline_model_parallel_size=1"),
+    ({_VPP: 1, _GROUP: 0}, "microbatch_group_size_per_vp_stage=0: with virtual_pipeline_model_parallel_size=1"),
     ({_VPP: 2, _GROUP: 2.0}, "microbatch_group_size_per_vp_stage=2.0"),
 ]
 

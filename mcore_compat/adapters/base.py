@@ -8,24 +8,32 @@ matches no row, from the features detection observed. Adapters never look at ver
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import mcore_compat.runtime as runtime
+import mcore_compat.rules as rules
 from mcore_compat.capabilities import Capabilities, route_prebuilder
-from mcore_compat.errors import PackingConfigError, UnsupportedPinError
-from mcore_compat.generations import FETCH_FUNCTION, GENERATIONS, SCHEDULER_MODULE, WRAP_FUNCTION, Generation
+from mcore_compat.contract import Limits
+from mcore_compat.errors import UnsupportedPinError
+from mcore_compat.generations import (
+    DYNAMIC_CP_SCHEDULERS,
+    FETCH_FUNCTION,
+    GENERATIONS,
+    SCHEDULER_MODULE,
+    STATIC_SCHEDULERS,
+    WRAP_FUNCTION,
+    Generation,
+)
 from mcore_compat.model_support import dynamic_cp_component_refusal
 from mcore_compat.pins import load as load_pins
 from mcore_compat.portable.microbatch import INPUT_KEYS, TARGET_KEYS
+from mcore_compat.protocols import PackingBackend
 from mcore_compat.results import PackedBatch, SchedulerApi, WrapResult
 
-STATIC_SCHEDULERS: tuple[str, ...] = ("dp_balanced",)
-DYNAMIC_CP_SCHEDULERS: tuple[str, ...] = ("default_dynamic_cp",)
 FETCH_ARITY = 7
 
 
@@ -44,6 +52,44 @@ def pins_running(scheduler: str, dynamic_cp: bool) -> list[str]:
     """The supported pins on which ``scheduler`` runs in that mode (``pins.toml`` ``runs``)."""
     mode = f"{scheduler}:{'dynamic' if dynamic_cp else 'static'}"
     return [pin.name for pin in load_pins().pins.values() if mode in pin.runs]
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """What one step runs with, read once from the checked model config and groups (:meth:`PackingAdapter.prepare`).
+
+    ``limits`` are what every sequence must meet; ``virtual_stages`` is the number of virtual pipeline stages when
+    there are several; ``microbatch_group`` is ``microbatch_group_size_per_vp_stage`` where virtual stages are set;
+    ``min_dynamic_cp_size`` is None for static CP; ``backend`` is who packs ("native" or "portable").
+    """
+
+    scheduler: str
+    dynamic_cp: bool
+    limits: Limits
+    capacity: int
+    virtual_stages: int | None
+    microbatch_group: int | None
+    max_seqs: int | None
+    min_dynamic_cp_size: int | None
+    backend: str
+
+    @classmethod
+    def read(cls, model_config: Any, pg: Any, scheduler: str, dynamic_cp: bool, backend: str) -> StepSettings:
+        """Read the settings of a config :func:`mcore_compat.rules.check_settings` accepted."""
+        vpp = getattr(model_config, "virtual_pipeline_model_parallel_size", None)
+        group = getattr(model_config, "microbatch_group_size_per_vp_stage", None)
+        minimum = getattr(model_config, "min_dynamic_context_parallel_size", 1)
+        return cls(
+            scheduler=scheduler,
+            dynamic_cp=dynamic_cp,
+            limits=rules.step_limits(model_config, pg, dynamic_cp),
+            capacity=rules.max_seqlen_per_dp_cp_rank(model_config),
+            virtual_stages=rules.virtual_stages(model_config),
+            microbatch_group=group if vpp is not None else None,
+            max_seqs=getattr(model_config, "thd_max_packed_sequences", None),
+            min_dynamic_cp_size=minimum if dynamic_cp else None,
+            backend=backend,
+        )
 
 
 class PackingAdapter(ABC):
@@ -106,22 +152,9 @@ class PackingAdapter(ABC):
                 return f"Megatron-LM dev commits have it from {since}. {hint}"
         return hint
 
-    def unknown_scheduler(self, scheduler: str, known: tuple[str, ...]) -> str | None:
-        """A name no backend of this pin knows: a typo gets the spelling, not a pin switch."""
-        every = sorted({*known, *STATIC_SCHEDULERS, *DYNAMIC_CP_SCHEDULERS})
-        if scheduler in every:
-            return None
-        folded = {name.lower(): name for name in every}
-        close = (
-            [folded[scheduler.lower()]]
-            if scheduler.lower() in folded
-            else difflib.get_close_matches(scheduler, every, n=1)
-        )
-        spelling = f"did you mean {close[0]!r}? " if close else ""
-        return (
-            f"sequence_packing_scheduler={scheduler!r} is not a scheduler name; {spelling}"
-            f"known names: {', '.join(every)} (exact spelling)"
-        )
+    def unknown_scheduler(self, scheduler: str) -> str | None:
+        """A name no backend knows (:func:`mcore_compat.rules.unknown_scheduler`: a typo gets the spelling)."""
+        return rules.unknown_scheduler(scheduler, registered=self.capabilities.scheduler_names)
 
     def scheduler_mismatch(self, scheduler: str, dynamic_cp: bool) -> str | None:
         """Reject a dynamic scheduler without dynamic CP, and a static one with it."""
@@ -182,22 +215,29 @@ class PackingAdapter(ABC):
         return scheduler in self.capabilities.scheduler_names
 
     def require_runnable(self, model_config: Any) -> str:
-        """Return the configured scheduler name, or raise before any collective.
-
-        Raises ``PackingConfigError`` without a scheduler name and ``UnsupportedPinError`` with the probe's refusal.
-        """
-        scheduler = getattr(model_config, "sequence_packing_scheduler", None)
-        if not isinstance(scheduler, str):
-            raise PackingConfigError(
-                f"model_config.sequence_packing_scheduler={scheduler!r} is not a scheduler name; "
-                "set it to 'dp_balanced' (or 'default_dynamic_cp' with dynamic context parallelism)"
-            )
+        """Return the configured scheduler name, or raise ``UnsupportedPinError`` with the probe's refusal (after
+        :func:`mcore_compat.rules.check_settings`, which refuses what is not a scheduler name)."""
+        scheduler = str(model_config.sequence_packing_scheduler)
         reason = self.probe(scheduler, dynamic_cp=self.dynamic_cp_enabled(model_config)) or self.config_refusal(
             model_config, scheduler
         )
         if reason is not None:
             raise UnsupportedPinError(reason)
         return scheduler
+
+    def prepare(self, model_config: Any, pg_collection: Any) -> StepSettings:
+        """Check every rule of this step's config and groups once, on this rank, before any collective, and return
+        what the step runs with. Raises ``PackingConfigError`` or ``UnsupportedPinError`` (the step's agreement
+        shares them with every rank: :func:`mcore_compat.agreement.fail_together`)."""
+        caps = self.capabilities
+        dynamic_cp = rules.check_settings(model_config, pg_collection, caps.packing_config_fields, caps.scheduler_names)
+        scheduler = self.require_runnable(model_config)
+        settings = StepSettings.read(model_config, pg_collection, scheduler, dynamic_cp, self.backend)
+        self.check_step(model_config, pg_collection, settings)
+        return settings
+
+    def check_step(self, model_config: Any, pg_collection: Any, settings: StepSettings) -> None:  # noqa: B027
+        """What this backend adds to the shared rules for one step (none here)."""
 
     def config_refusal(self, model_config: Any, scheduler: str) -> str | None:
         """A model-config setting this pin cannot run ``scheduler`` with (e.g. a flag that would take the step
@@ -221,11 +261,7 @@ class PackingAdapter(ABC):
 
     def dynamic_cp_enabled(self, model_config: Any) -> bool:
         """An explicit True, or MCore's deprecated ``hybrid_context_parallel`` alias where the pin has it."""
-        if getattr(model_config, "dynamic_context_parallel", None) is True:
-            return True
-        fields = self.capabilities.packing_config_fields
-        has_alias = "dynamic_context_parallel" in fields and "hybrid_context_parallel" in fields
-        return has_alias and getattr(model_config, "hybrid_context_parallel", None) is True
+        return rules.dynamic_cp_switch(model_config, self.capabilities.packing_config_fields)
 
     def mtp_on_this_rank(self, model_config: Any, vp_stage: int | None) -> bool:
         """Whether this rank holds MTP layers, read from the model config as Megatron-LM's ``get_batch`` does."""
@@ -251,14 +287,14 @@ class PackingAdapter(ABC):
 
     def rank_loads_data(self, pg_collection: Any, model_config: Any = None) -> bool:
         """TP rank 0 of the PP stages that own data on this generation, and of those that hold standalone MTP
-        layers (:func:`~mcore_compat.runtime.standalone_mtp_stages`), whose stage needs the whole microbatch."""
+        layers (:func:`~mcore_compat.rules.standalone_mtp_stages`), whose stage needs the whole microbatch."""
         if pg_collection.tp.rank() != 0:
             return False
         if self.facts.pipeline_data_stages == "every":
             return True
         pp_rank, pp_size = pg_collection.pp.rank(), pg_collection.pp.size()
         return pp_rank in (0, pp_size - 1) or any(
-            rank == pp_rank for rank, _ in runtime.standalone_mtp_stages(model_config)
+            rank == pp_rank for rank, _ in rules.standalone_mtp_stages(model_config)
         )
 
     def virtual_stage_entry(self, pg_collection: Any) -> int | None:
@@ -371,9 +407,16 @@ __all__ = [
     "SchedulerApi",
     "WrapResult",
     "STATIC_SCHEDULERS",
+    "as_backend",
+    "StepSettings",
     "mtp_probe",
     "per_stage",
     "pin_hint",
     "pins_running",
     "resolve_cp_group",
 ]
+
+
+def as_backend(adapter: PackingAdapter) -> PackingBackend:
+    """Every adapter is a :class:`~mcore_compat.protocols.PackingBackend` (mypy checks this assignment)."""
+    return adapter

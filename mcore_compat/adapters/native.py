@@ -10,13 +10,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-import mcore_compat.runtime as runtime
+import mcore_compat.rules as rules
 from mcore_compat.adapters.base import (
     DYNAMIC_CP_SCHEDULERS,
     FETCH_ARITY,
     PackedBatch,
     PackingAdapter,
     RoutePrebuilder,
+    StepSettings,
     WrapResult,
     per_stage,
 )
@@ -48,8 +49,8 @@ from mcore_compat.generations import (
     WRAP_FUNCTION,
 )
 from mcore_compat.portable import SCHEDULERS as PORTABLE_SCHEDULERS
-from mcore_compat.portable.errors import OK, PortablePackingError, Problem, raise_if_bad, record
 from mcore_compat.portable.microbatch import METADATA_KEYS
+from mcore_compat.problems import OK, Problem, error_for, raise_if_bad, record
 from mcore_compat.results import SchedulerApi
 
 _NOT_ENOUGH_TO_MOVE = "Not enough samples to move"
@@ -116,7 +117,7 @@ class NativeSchedulerAdapter(PackingAdapter):
         if self._runs_portably(scheduler, dynamic_cp):
             return self._portable().probe(scheduler, dynamic_cp=dynamic_cp)
         return (
-            self.unknown_scheduler(scheduler, (*self.capabilities.scheduler_names, *PORTABLE_SCHEDULERS))
+            self.unknown_scheduler(scheduler)
             or self.scheduler_mismatch(scheduler, dynamic_cp)
             or self.missing_native_api(scheduler, dynamic_cp)
         )
@@ -127,10 +128,6 @@ class NativeSchedulerAdapter(PackingAdapter):
 
     def scheduler_api(self) -> SchedulerApi:
         return self._wrap, self._fetch
-
-    def portable_api_for(self, model_config: Any) -> SchedulerApi | None:
-        """The portable backend's entry points where this config runs there (e.g. ``balanced``), else None."""
-        return self._portable().scheduler_api() if self._config_runs_portably(model_config) else None
 
     # -- schedulers Megatron-Core's registry lacks run on the portable backend ------------------
 
@@ -171,7 +168,7 @@ class NativeSchedulerAdapter(PackingAdapter):
 
     def _unfed_mtp(self, model_config: Any) -> bool:
         """Whether the model holds standalone MTP layers on a stage MCore's scheduler gives no whole microbatch."""
-        return not self.facts.feeds_mtp_stages and bool(runtime.standalone_mtp_stages(model_config))
+        return not self.facts.feeds_mtp_stages and bool(rules.standalone_mtp_stages(model_config))
 
     def _portable(self) -> PortableAdapter:
         if self._portable_adapter is None:
@@ -180,6 +177,23 @@ class NativeSchedulerAdapter(PackingAdapter):
             self._portable_adapter = PortableAdapter(self.capabilities)
         return self._portable_adapter
 
+    def prepare(self, model_config: Any, pg_collection: Any) -> StepSettings:
+        """The shared rules and the probe; then the portable backend's rules where this config runs there, else the
+        fields this pin's scheduler reads (its padding reaches the model as the generation table says)."""
+        settings = super().prepare(model_config, pg_collection)
+        if self._config_runs_portably(model_config):
+            settings = dataclasses.replace(settings, backend="portable")
+            self._portable().check_step(model_config, pg_collection, settings)
+            return settings
+        fields: tuple[str, ...] = ("max_seqlen_per_dp_cp_rank", "virtual_pipeline_model_parallel_size")
+        if getattr(model_config, "virtual_pipeline_model_parallel_size", None) is not None:
+            fields += ("microbatch_group_size_per_vp_stage",)
+        if self.facts.pipeline_data_stages == "every":
+            fields += _EVERY_STAGE_FIELDS
+        rules.require_fields(model_config, fields, f"Megatron-Core's {self.facts.id} scheduler")
+        limits = dataclasses.replace(settings.limits, padding_reaches_model=self.facts.padding_reaches_model)
+        return dataclasses.replace(settings, limits=limits)
+
     def wrap(self, data_iterator: Any, model_config: Any, num_microbatches: int, pg_collection: Any) -> WrapResult:
         """Check the settings, agree on this step's samples on every rank, then run MCore's scheduler.
 
@@ -187,38 +201,36 @@ class NativeSchedulerAdapter(PackingAdapter):
         from a replaying iterator, so it sees what it would have pulled from ``data_iterator``.
         """
         try:
-            runtime.check_config_object(model_config)
+            settings = self.prepare(model_config, pg_collection)
         except SETUP_ERRORS as error:
             fail_together(error, num_microbatches, pg_collection, model_config)
-        if self._config_runs_portably(model_config):
-            return self._portable().wrap(data_iterator, model_config, num_microbatches, pg_collection)
-        iterator = self.checked_iterator(data_iterator, model_config, num_microbatches, pg_collection)
+        if settings.backend == "portable":
+            portable = self._portable()
+            return portable.run_step(data_iterator, model_config, num_microbatches, pg_collection, settings)
+        iterator = self.checked_iterator(data_iterator, model_config, num_microbatches, pg_collection, settings)
         packed, count, seqlen_sum, seqlen_squared_sum = self.schedule(
             self._wrap, iterator, model_config, num_microbatches, pg_collection
         )
         self.expect_fetches(int(count), packed, data_iterator)
         return WrapResult(packed, int(count), float(seqlen_sum), float(seqlen_squared_sum))
 
-    def checked_iterator(self, data_iterator: Any, model_config: Any, num_microbatches: int, pg_collection: Any) -> Any:
+    def checked_iterator(
+        self, data_iterator: Any, model_config: Any, num_microbatches: int, pg_collection: Any, settings: StepSettings
+    ) -> Any:
         """What MCore's ``wrap_data_iterator`` gets on this rank, after every rank agreed on the step's samples.
 
-        Checks the settings (a rank that refuses them fails with every other rank in the agreement), pulls and
-        checks this step's samples on the data-loading ranks, agrees on one verdict over the world (raising the
-        same error everywhere, or continuing everywhere), and returns a
-        replaying iterator with the checked items (converted to the sample form the pin reads), or the
-        no-data argument on ranks that load none.
+        Pulls and checks this step's samples on the data-loading ranks, agrees on one verdict over the world (raising
+        the same error everywhere, or continuing everywhere), and returns a replaying iterator with the checked items
+        (converted to the sample form the pin reads), or the no-data argument on ranks that load none.
         """
-        try:
-            limits = self._step_limits(model_config, pg_collection)
-        except SETUP_ERRORS as error:
-            fail_together(error, num_microbatches, pg_collection, model_config)
+        limits = settings.limits
         self._fetched, self._packed_count = {}, None
         batch: LocalBatch | None = None
         source, position = None, None
         with collection_paused():  # the step's short-lived check objects must not age into a full collection
             if self.rank_loads_data(pg_collection, model_config):
                 dp_rank = pg_collection.dp.rank()
-                stages, entry = runtime.virtual_stages(model_config), self.virtual_stage_entry(pg_collection)
+                stages, entry = settings.virtual_stages, self.virtual_stage_entry(pg_collection)
                 source, position, verdict = stage_source(data_iterator, stages, dp_rank, entry)
                 pulls = max(microbatch_count(num_microbatches), 0)  # a bad count is rejected in the agreement
                 batch = read_step(source, pulls, dp_rank, limits) if verdict == OK else LocalBatch([], verdict)
@@ -295,33 +307,7 @@ class NativeSchedulerAdapter(PackingAdapter):
 
     def _rounding_failure(self, model_config: Any, pg_collection: Any) -> PackingError:
         rounding = self._bins(model_config, pg_collection, Limits())
-        return PortablePackingError(record(Problem.TOO_FEW_SAMPLES, b=-3, c=rounding.multiple if rounding else 0))
-
-    def _step_limits(self, model_config: Any, pg_collection: Any) -> Limits:
-        """Check this rank's settings as the pin's scheduler will read them; the limits its samples must meet."""
-        runtime.require_groups(pg_collection)
-        self._check_runtime_config(model_config)
-        runtime.check_pipeline_shapes(model_config, pg_collection.pp.size())
-        dynamic_cp = self.dynamic_cp_enabled(model_config)
-        if dynamic_cp:
-            runtime.check_min_dynamic_cp_size(model_config, runtime.check_dynamic_cp_pool(pg_collection))
-            runtime.check_dynamic_cp_microbatch_group(model_config)
-        self.require_runnable(model_config)
-        limits = runtime.step_limits(model_config, pg_collection, dynamic_cp)
-        return dataclasses.replace(limits, padding_reaches_model=self.facts.padding_reaches_model)
-
-    def _check_runtime_config(self, model_config: Any) -> None:
-        """Strict flags and the fields this pin's scheduler reads, identical on every rank."""
-        runtime.check_switches(model_config)
-        runtime.scheduler_name(model_config, tuple(self.capabilities.scheduler_names))
-        runtime.check_thd_settings(model_config)
-        runtime.check_virtual_stages(model_config)
-        fields: tuple[str, ...] = ("max_seqlen_per_dp_cp_rank", "virtual_pipeline_model_parallel_size")
-        if getattr(model_config, "virtual_pipeline_model_parallel_size", None) is not None:
-            fields += ("microbatch_group_size_per_vp_stage",)
-        if self.facts.pipeline_data_stages == "every":
-            fields += _EVERY_STAGE_FIELDS
-        runtime.require_fields(model_config, fields, f"Megatron-Core's {self.facts.id} scheduler")
+        return error_for(record(Problem.TOO_FEW_SAMPLES, b=-3, c=rounding.multiple if rounding else 0))
 
     def _bins(self, model_config: Any, pg_collection: Any, limits: Limits) -> BinRounding | None:
         """How Megatron-Core's static-CP dp_balanced rounds its bin count up to a multiple of DP (x
@@ -512,7 +498,7 @@ def no_data(model_config: Any) -> list[None] | None:
 
     With VPP every generation's scheduler takes ``len()`` of the iterator list on every rank.
     """
-    stages = runtime.virtual_stages(model_config)
+    stages = rules.virtual_stages(model_config)
     return None if stages is None else [None] * stages
 
 

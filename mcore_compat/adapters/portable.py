@@ -39,30 +39,22 @@ from typing import Any
 import torch
 
 import mcore_compat.dynamic_cp as dynamic_cp_support
-import mcore_compat.runtime as runtime
+import mcore_compat.rules as rules
 from mcore_compat.adapters.base import (
     DYNAMIC_CP_SCHEDULERS,
     PackedBatch,
     PackingAdapter,
     RoutePrebuilder,
+    StepSettings,
     WrapResult,
     per_stage,
 )
+from mcore_compat.adapters.entry_points import entry_points
 from mcore_compat.agreement import SETUP_ERRORS, agree, fail_together, microbatch_count
 from mcore_compat.capabilities import Capabilities
-from mcore_compat.contract import Limits, LocalBatch, is_iterator, read_step, stage_source
-from mcore_compat.errors import UnsupportedPinError
+from mcore_compat.contract import LocalBatch, is_iterator, read_step, stage_source
+from mcore_compat.errors import BadSampleError, UnsupportedPinError
 from mcore_compat.portable import SCHEDULERS, dynamic, exchange
-from mcore_compat.portable.entry_points import entry_points
-from mcore_compat.portable.errors import (
-    OK,
-    SAMPLE_KEYS,
-    VERDICT_WIDTH,
-    PortablePackingError,
-    Problem,
-    raise_if_bad,
-    record,
-)
 from mcore_compat.portable.microbatch import (
     METADATA_KEYS,
     bin_metadata,
@@ -72,22 +64,19 @@ from mcore_compat.portable.microbatch import (
 )
 from mcore_compat.portable.samples import read_step as read_portable_step
 from mcore_compat.portable.schedule import PLANNERS, judge, step_table
+from mcore_compat.problems import (
+    OK,
+    SAMPLE_KEYS,
+    VERDICT_WIDTH,
+    Problem,
+    raise_if_bad,
+    record,
+)
 from mcore_compat.results import SchedulerApi
 
 SCHEDULER = "dp_balanced"
 _STEP_WIDTH = VERDICT_WIDTH + 3  # verdict, microbatch count, seqlen sum, seqlen squared sum
 _MICROBATCH_HEADER = VERDICT_WIDTH + 4  # verdict, len(cu_seqlens), local tokens, max_seqlen, local_cp_size (0: static)
-
-
-@dataclass(frozen=True)
-class Settings:
-    """What the portable schedulers read from the model config."""
-
-    max_seqlen_per_dp_cp_rank: int
-    vpp_size: int | None
-    vpp_group: int | None
-    max_seqs: int | None
-    scheduler: str = SCHEDULER
 
 
 @dataclass
@@ -102,22 +91,10 @@ class Step:
     cause: BaseException | None = None
 
 
-def read_settings(model_config: Any) -> Settings:
-    """Read and check the config (``wrap`` shares a refusal with every rank through the agreement)."""
-    capacity = runtime.max_seqlen_per_dp_cp_rank(model_config)
-    runtime.check_thd_settings(model_config)
-    runtime.check_virtual_stages(model_config)
-    max_seqs = getattr(model_config, "thd_max_packed_sequences", None)
-    vpp_size = getattr(model_config, "virtual_pipeline_model_parallel_size", None)
-    vpp_group = getattr(model_config, "microbatch_group_size_per_vp_stage", None) if vpp_size is not None else None
-    scheduler = getattr(model_config, "sequence_packing_scheduler", SCHEDULER)
-    return Settings(capacity, vpp_size, vpp_group, max_seqs, scheduler if scheduler in PLANNERS else SCHEDULER)
-
-
 def _partition_refusal(model_config: Any, cp_size: int, scheduler: str) -> str | None:
     """Why this backend cannot slice sequences as ``cp_partition_mode`` asks at context-parallel size ``cp_size``."""
-    mode = getattr(model_config, "cp_partition_mode", runtime.CP_PARTITION_MODES[0])
-    if cp_size <= 1 or mode == runtime.CP_PARTITION_MODES[0]:
+    mode = getattr(model_config, "cp_partition_mode", rules.CP_PARTITION_MODES[0])
+    if cp_size <= 1 or mode == rules.CP_PARTITION_MODES[0]:
         return None
     return (
         f"model_config.cp_partition_mode={mode!r} with context-parallel size {cp_size}: the portable backend "
@@ -165,7 +142,7 @@ class PortableAdapter(PackingAdapter):
         if not dynamic_cp and scheduler in SCHEDULERS:
             return None
         return (
-            self.unknown_scheduler(scheduler, SCHEDULERS)
+            self.unknown_scheduler(scheduler)
             or self.scheduler_mismatch(scheduler, dynamic_cp)
             or self._missing_sub_groups()
         )
@@ -207,18 +184,25 @@ class PortableAdapter(PackingAdapter):
     # -- wrap: one step -------------------------------------------------------------------------
 
     def wrap(self, data_iterator: Any, model_config: Any, num_microbatches: int, pg_collection: Any) -> WrapResult:
-        self._consumed = [it for it in per_stage(data_iterator) if it is not None]
         try:
-            settings, limits, min_size = self._step_settings(model_config, pg_collection)
+            settings = self.prepare(model_config, pg_collection)
         except SETUP_ERRORS as error:
             fail_together(error, num_microbatches, pg_collection, model_config)
-        if min_size is not None:
-            return self._wrap_dynamic(data_iterator, model_config, num_microbatches, pg_collection, settings, min_size)
+        return self.run_step(data_iterator, model_config, num_microbatches, pg_collection, settings)
+
+    def run_step(
+        self, data_iterator: Any, model_config: Any, num_microbatches: int, pg_collection: Any, settings: StepSettings
+    ) -> WrapResult:
+        """One prepared step: agree on the samples with every rank, plan, route and pack them."""
+        self._consumed = [it for it in per_stage(data_iterator) if it is not None]
+        if settings.dynamic_cp:
+            return self._wrap_dynamic(data_iterator, model_config, num_microbatches, pg_collection, settings)
+        limits = settings.limits
         tp, pp = pg_collection.tp, pg_collection.pp
         batch = None
         if self.rank_loads_data(pg_collection, model_config):
             dp_rank = pg_collection.dp.rank()
-            stages, entry = runtime.virtual_stages(model_config), self.virtual_stage_entry(pg_collection)
+            stages, entry = rules.virtual_stages(model_config), self.virtual_stage_entry(pg_collection)
             source, _, verdict = stage_source(data_iterator, stages, dp_rank, entry)
             pulls = max(microbatch_count(num_microbatches), 0)  # a bad count is rejected in the agreement
             batch = read_step(source, pulls, dp_rank, limits) if verdict == OK else LocalBatch([], verdict)
@@ -247,27 +231,20 @@ class PortableAdapter(PackingAdapter):
         iterators = self._iterators(step.microbatches, pg_collection, settings, model_config)
         return WrapResult(iterators, step.count, float(step.seqlen_sum), float(step.seqlen_squared_sum))
 
-    def _step_settings(self, model_config: Any, pg: Any) -> tuple[Settings, Limits, int | None]:
-        """Check this rank's settings; return them, the limits its samples must meet and, under dynamic CP,
-        the minimum group size (None for static CP)."""
-        runtime.require_groups(pg)
-        runtime.check_config_object(model_config)
-        dynamic_cp = self.dynamic_cp_enabled(model_config)
-        runtime.check_settings(model_config, pg.dp_cp.size(), dynamic_cp, pg.pp.size())
-        self.require_runnable(model_config)
-        settings = read_settings(model_config)
-        reason = _partition_refusal(model_config, pg.cp.size(), settings.scheduler)
+    def check_step(self, model_config: Any, pg_collection: Any, settings: StepSettings) -> None:
+        """Zigzag slicing at the step's CP size; under dynamic CP, the rules its dynamic CP runs with and the pin's
+        DP x CP sub-groups of every size a bin may use."""
+        reason = _partition_refusal(model_config, pg_collection.cp.size(), settings.scheduler)
         if reason is not None:
             raise UnsupportedPinError(reason)
-        limits = runtime.step_limits(model_config, pg, dynamic_cp)
-        if not dynamic_cp:
-            return settings, limits, None
-        min_size = dynamic_cp_support.check_dynamic_cp_rules(self.capabilities, model_config, pg)
-        dynamic_cp_support.require_dynamic_cp_groups(self.capabilities, pg.dp_cp.size(), min_size)
-        return settings, limits, min_size
+        if settings.min_dynamic_cp_size is not None:
+            fields = self.capabilities.packing_config_fields
+            rules.check_portable_dynamic_cp(model_config, pg_collection.pp.size(), fields)
+            pool = pg_collection.dp_cp.size()
+            dynamic_cp_support.require_dynamic_cp_groups(self.capabilities, pool, settings.min_dynamic_cp_size)
 
     def _wrap_dynamic(
-        self, data_iterator: Any, model_config: Any, num_microbatches: int, pg: Any, settings: Settings, min_size: int
+        self, data_iterator: Any, model_config: Any, num_microbatches: int, pg: Any, settings: StepSettings
     ) -> WrapResult:
         """``default_dynamic_cp`` (PP = 1): each DP x CP rank gets, per microbatch, the bin of its dynamic group."""
         tp = pg.tp
@@ -284,7 +261,7 @@ class PortableAdapter(PackingAdapter):
             count, seqlen_sum, squared_sum = words[VERDICT_WIDTH:]
             return WrapResult(self._iterators(None, pg, settings), count, float(seqlen_sum), float(squared_sum))
         sequence_parallel_tp = tp.size() if getattr(model_config, "sequence_parallel", False) is True else 1
-        step = self._pack_dynamic_step(batch, num_microbatches, pg, settings, min_size, device, sequence_parallel_tp)
+        step = self._pack_dynamic_step(batch, num_microbatches, pg, settings, device, sequence_parallel_tp)
         exchange.broadcast_fixed(
             [*step.verdict, step.count, step.seqlen_sum, step.seqlen_squared_sum], _STEP_WIDTH, tp, device
         )
@@ -297,8 +274,7 @@ class PortableAdapter(PackingAdapter):
         batch: LocalBatch,
         num_microbatches: int,
         pg: Any,
-        settings: Settings,
-        min_size: int,
+        settings: StepSettings,
         device: torch.device,
         sequence_parallel_tp: int,
     ) -> Step:
@@ -307,14 +283,12 @@ class PortableAdapter(PackingAdapter):
         dp, cp, dp_cp = pg.dp, pg.cp, pg.dp_cp
         reports = exchange.gather_lengths(batch, dp.rank(), cp.rank(), dp_cp, num_microbatches, device)
         pool = dp_cp.size()
-        verdict = judge(
-            reports, capacity=settings.max_seqlen_per_dp_cp_rank * pool, dp_size=dp.size(), cp_size=cp.size()
-        )
+        verdict = judge(reports, capacity=settings.capacity * pool, dp_size=dp.size(), cp_size=cp.size())
         if verdict != OK:
             return Step(verdict, [], cause=batch.cause)
         table = step_table(reports, cp.rank())
         plan = dynamic.plan_default_dynamic_cp(
-            table.padded, max_seqlen_per_rank=settings.max_seqlen_per_dp_cp_rank, ranks=pool, min_size=min_size
+            table.padded, max_seqlen_per_rank=settings.capacity, ranks=pool, min_size=settings.min_dynamic_cp_size or 1
         )
         misaligned = dynamic.first_misaligned(plan, table.padded, sequence_parallel_tp)
         if misaligned is not None:
@@ -351,26 +325,26 @@ class PortableAdapter(PackingAdapter):
         return self.facts.pipeline_data_stages == "every"
 
     def _pack_step(
-        self, batch: LocalBatch, num_microbatches: int, pg: Any, settings: Settings, device: torch.device
+        self, batch: LocalBatch, num_microbatches: int, pg: Any, settings: StepSettings, device: torch.device
     ) -> Step:
         """Plan and route the agreed step (every loading rank's samples passed the contract)."""
         dp, cp = pg.dp, pg.cp
         reports = exchange.gather_lengths(batch, dp.rank(), cp.rank(), pg.dp_cp, num_microbatches, device)
-        capacity = settings.max_seqlen_per_dp_cp_rank * cp.size()
+        capacity = settings.capacity * cp.size()
         verdict = judge(reports, capacity=capacity, dp_size=dp.size(), cp_size=cp.size())
         if verdict != OK:
             return Step(verdict, [])
         table = step_table(reports, cp.rank())
         try:
-            plan = PLANNERS[settings.scheduler](
+            plan = PLANNERS[settings.scheduler if settings.scheduler in PLANNERS else SCHEDULER](
                 table.padded,
                 capacity=capacity,
                 dp_size=dp.size(),
-                vpp_group=settings.vpp_group,
+                vpp_group=settings.microbatch_group,
                 max_seqs=settings.max_seqs,
             )
-        except PortablePackingError as exc:
-            return Step(exc.verdict, [])
+        except BadSampleError as exc:
+            return Step(list(exc.verdict), [])
         first = table.first_id[dp.rank()]
         local = {first + i: sample.fields for i, sample in enumerate(batch.samples)}
         destination = plan.destination()
@@ -419,18 +393,22 @@ class PortableAdapter(PackingAdapter):
         return Step(verdict, microbatches, count, seqlen_sum, squared_sum)
 
     def _iterators(
-        self, microbatches: list[dict[str, torch.Tensor]] | None, pg: Any, settings: Settings, model_config: Any = None
+        self,
+        microbatches: list[dict[str, torch.Tensor]] | None,
+        pg: Any,
+        settings: StepSettings,
+        model_config: Any = None,
     ) -> Any:
         """A ``RerunDataIterator`` on TP rank 0 (one per virtual stage with VPP), None elsewhere: whole microbatches
         for the first virtual stage of the first PP stage, the last of the last and those holding standalone MTP
         layers, their metadata for the others."""
-        vpp = settings.vpp_size if settings.vpp_size is not None and settings.vpp_size > 1 else None
+        vpp = settings.virtual_stages
         if microbatches is None:
             return None if vpp is None else [None] * vpp
         if vpp is None:
             return self._rerun_iterator(iter(microbatches))
         pp_rank = pg.pp.rank()
-        whole = {v for rank, v in runtime.standalone_mtp_stages(model_config) if rank == pp_rank}
+        whole = {v for rank, v in rules.standalone_mtp_stages(model_config) if rank == pp_rank}
         whole |= ({0} if pp_rank == 0 else set()) | ({vpp - 1} if pp_rank == pg.pp.size() - 1 else set())
         metadata = [{k: mb[k] for k in METADATA_KEYS} for mb in microbatches]
         return [self._rerun_iterator(iter(microbatches if v in whole else metadata)) for v in range(vpp)]
@@ -583,7 +561,5 @@ def _decode_view(
 __all__ = [
     "PortableAdapter",
     "SCHEDULER",
-    "Settings",
     "Step",
-    "read_settings",
 ]

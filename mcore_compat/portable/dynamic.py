@@ -30,9 +30,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mcore_compat.contract import alignment_multiple
 from mcore_compat.portable import exchange
 from mcore_compat.portable.microbatch import pack_bin
+from mcore_compat.rules import alignment_multiple
 
 WORKLOAD_CAP_DELTA = 0.05
 """How far above ``longest * max_seqlen_per_dp_cp_rank`` a rank's cost in one microbatch may go."""

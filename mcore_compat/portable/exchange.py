@@ -13,9 +13,9 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from mcore_compat.portable.errors import VERDICT_WIDTH
 from mcore_compat.portable.samples import TOKEN_FIELDS, LocalBatch
 from mcore_compat.portable.schedule import ReportedLengths, routes
+from mcore_compat.problems import VERDICT_WIDTH
 
 WORDS_PER_TOKEN = len(TOKEN_FIELDS)
 """Each token travels as one int64 word per per-token field."""

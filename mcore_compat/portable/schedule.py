@@ -24,7 +24,8 @@ import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from mcore_compat.portable.errors import OK, PortablePackingError, Problem, ran_out, record
+from mcore_compat.errors import BadSampleError
+from mcore_compat.problems import OK, Problem, error_for, ran_out, record
 
 __all__ = [
     "PLANNERS",
@@ -84,7 +85,7 @@ def split_to_multiple(bins: list[list[int]], multiple: int, *, first_bin_donates
     """Split trailing samples off the last multi-sample bins until ``len(bins) % multiple == 0``.
 
     With ``first_bin_donates`` False (Megatron-Core ``main``'s rule) the first bin is never split.
-    Raises :class:`PortablePackingError` (``TOO_FEW_SAMPLES``) when there are not enough samples.
+    Raises :class:`~mcore_compat.errors.BadSampleError` (``TOO_FEW_SAMPLES``) when there are not enough samples.
     """
     result = [list(b) for b in bins]
     missing = -len(result) % multiple
@@ -95,7 +96,7 @@ def split_to_multiple(bins: list[list[int]], multiple: int, *, first_bin_donates
             donor -= 1
         if donor < last_donor:
             samples = sum(len(b) for b in bins)
-            raise PortablePackingError(record(Problem.TOO_FEW_SAMPLES, a=samples, b=len(bins), c=multiple))
+            raise error_for(record(Problem.TOO_FEW_SAMPLES, a=samples, b=len(bins), c=multiple))
         result.append([result[donor].pop()])
         missing -= 1
     return result
@@ -211,7 +212,7 @@ def plan_balanced(
         reference: BinPlan | None = plan_dp_balanced(
             lengths, capacity=capacity, dp_size=dp_size, vpp_group=vpp_group, max_seqs=max_seqs
         )
-    except PortablePackingError:
+    except BadSampleError:
         reference = None
     n = len(lengths)
     if n == 0:
@@ -295,7 +296,7 @@ def judge(reports: Sequence[ReportedLengths], *, capacity: int, dp_size: int, cp
     """The one verdict every rank reaches from the gathered reports (``OK`` when the step can be packed).
 
     In order: a DP x CP group that is not a ``dp x cp`` grid; the data running out on every rank
-    (:func:`~mcore_compat.portable.errors.ran_out`); the first rank-local problem; CP siblings that were fed
+    (:func:`~mcore_compat.problems.ran_out`); the first rank-local problem; CP siblings that were fed
     different samples; the first sample longer than the bin capacity.
     """
     coordinates = sorted((r.dp_rank, r.cp_rank) for r in reports)

@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from mcore_compat.contract import LENGTH_KEYS, TOKEN_KEYS, alignment_multiple
+from mcore_compat.contract import LENGTH_KEYS, TOKEN_KEYS
+from mcore_compat.rules import alignment_multiple
 
 __all__ = [
     "ITEM_LAYOUTS",

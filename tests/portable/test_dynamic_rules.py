@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import re
 from types import SimpleNamespace
 from typing import Any
 
@@ -12,7 +13,7 @@ import pytest
 import torch.distributed as dist
 
 import packing
-from mcore_compat import adapters, dynamic_cp
+from mcore_compat import adapters, dynamic_cp, rules
 from mcore_compat.adapters.portable import PortableAdapter
 from mcore_compat.capabilities import detect
 from packing.config import validate_global_batch_packing
@@ -41,7 +42,9 @@ def test_initialize_keywords_come_from_the_pins_signature():
         with pytest.raises(packing.UnsupportedPinError, match="no dynamic or hybrid context-parallel keyword"):
             packing.dynamic_cp_initialize_keywords()
     for bad in (3, 0, True, 2.0, "2", None):
-        with pytest.raises(packing.PackingConfigError, match=f"min_size={bad!r}: use a power of two"):
+        with pytest.raises(
+            packing.PackingConfigError, match=rf"min_size={re.escape(repr(bad))}: set it to a power of two"
+        ):
             packing.dynamic_cp_initialize_keywords(bad)  # type: ignore[arg-type]
 
 
@@ -69,18 +72,23 @@ def _pg(dp: int, cp: int, pp: int = 1) -> SimpleNamespace:
 
 
 def _config(**overrides: Any) -> SimpleNamespace:
-    fields = {"dynamic_context_parallel": True, "min_dynamic_context_parallel_size": 1}
+    fields = {
+        "dynamic_context_parallel": True,
+        "min_dynamic_context_parallel_size": 1,
+        "sequence_packing_scheduler": "default_dynamic_cp",
+        "max_seqlen_per_dp_cp_rank": 64,
+    }
     return SimpleNamespace(**{**fields, **overrides})
 
 
 @pytest.mark.parametrize(
     ("config", "pg", "match"),
     [
-        (_config(), _pg(3, 1), "DP x CP = 3 ranks"),
-        (_config(), _pg(1, 1), "DP x CP = 1 ranks"),
+        (_config(), _pg(3, 1), "data-parallel 3 x context-parallel 1 = 3"),
+        (_config(), _pg(1, 1), "data-parallel 1 x context-parallel 1 = 1"),
         (_config(min_dynamic_context_parallel_size=3), _pg(2, 2), "min_dynamic_context_parallel_size=3"),
-        (_config(min_dynamic_context_parallel_size=8), _pg(2, 2), "no larger than DP x CP \\(4\\)"),
-        (_config(), _pg(2, 2, pp=2), "pipeline_model_parallel_size=2"),
+        (_config(min_dynamic_context_parallel_size=8), _pg(2, 2), "no larger than the DP x CP pool \\(4\\)"),
+        (_config(variable_seq_lengths=True), _pg(2, 2, pp=2), "pipeline_model_parallel_size=2"),
         (_config(virtual_pipeline_model_parallel_size=2), _pg(2, 2), "virtual_pipeline_model_parallel_size=2"),
         (_config(calculate_per_token_loss=False), _pg(2, 2), "calculate_per_token_loss=False"),
         (_config(micro_batch_size=2), _pg(2, 2), "micro_batch_size=2"),
@@ -90,20 +98,26 @@ def _config(**overrides: Any) -> SimpleNamespace:
 )
 def test_each_rule_names_the_field_and_the_fix(config, pg, match):
     with pytest.raises(ValueError, match=match):
-        dynamic_cp.check_dynamic_cp_rules(CAPS, config, pg)
+        _check_dynamic_cp(CAPS, config, pg)
 
 
-def test_rules_pass_and_return_the_minimum_size():
-    assert dynamic_cp.check_dynamic_cp_rules(CAPS, _config(min_dynamic_context_parallel_size=2), _pg(2, 2)) == 2
-    assert dynamic_cp.check_dynamic_cp_rules(CAPS, _config(calculate_per_token_loss=True), _pg(1, 4)) == 1
+def _check_dynamic_cp(caps: Any, config: Any, pg: Any) -> None:
+    """What the portable backend's ``prepare`` checks of a dynamic-CP step before it reads the pin's groups."""
+    assert rules.check_settings(config, pg, caps.packing_config_fields)
+    rules.check_portable_dynamic_cp(config, pg.pp.size(), caps.packing_config_fields)
+
+
+def test_rules_pass():
+    _check_dynamic_cp(CAPS, _config(min_dynamic_context_parallel_size=2), _pg(2, 2))
+    _check_dynamic_cp(CAPS, _config(calculate_per_token_loss=True), _pg(1, 4))
 
 
 def test_hybrid_flag_is_refused_where_it_is_not_an_alias():
     caps = dataclasses.replace(CAPS, packing_config_fields=("hybrid_context_parallel",))
     with pytest.raises(ValueError, match="hybrid_context_parallel=True"):
-        dynamic_cp.check_dynamic_cp_rules(caps, _config(hybrid_context_parallel=True), _pg(2, 2))
+        _check_dynamic_cp(caps, _config(hybrid_context_parallel=True), _pg(2, 2))
     alias = dataclasses.replace(CAPS, packing_config_fields=("hybrid_context_parallel", "dynamic_context_parallel"))
-    assert dynamic_cp.hybrid_flag_problem(alias, _config(hybrid_context_parallel=True)) is None
+    _check_dynamic_cp(alias, _config(hybrid_context_parallel=True), _pg(2, 2))
 
 
 def test_validation_refuses_the_hybrid_flag_on_releases():

@@ -7,9 +7,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from mcore_compat import adapters
-from mcore_compat.adapters.portable import PortableAdapter, Settings, read_settings
+from mcore_compat import adapters, rules
+from mcore_compat.adapters.base import StepSettings
+from mcore_compat.adapters.portable import PortableAdapter
 from mcore_compat.capabilities import detect
+from mcore_compat.contract import Limits
 
 
 def config(**fields):
@@ -17,20 +19,34 @@ def config(**fields):
     return SimpleNamespace(**{**base, **fields})
 
 
+class Group:
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return 0
+
+
+PG = SimpleNamespace(tp=Group(1), pp=Group(1), cp=Group(1), dp=Group(2), dp_cp=Group(2))
+
+
 @pytest.mark.parametrize(
-    ("fields", "expected"),
+    ("fields", "read"),
     [
-        ({}, Settings(64, None, None, None)),
-        ({"thd_max_packed_sequences": 4}, Settings(64, None, None, 4)),
-        ({"microbatch_group_size_per_vp_stage": 2}, Settings(64, None, None, None)),
-        (
-            {"virtual_pipeline_model_parallel_size": 2, "microbatch_group_size_per_vp_stage": 4},
-            Settings(64, 2, 4, None),
-        ),
+        ({}, (None, None, None)),
+        ({"thd_max_packed_sequences": 4}, (None, None, 4)),
+        ({"microbatch_group_size_per_vp_stage": 2}, (None, None, None)),
+        ({"virtual_pipeline_model_parallel_size": 2, "microbatch_group_size_per_vp_stage": 4}, (2, 4, None)),
+        ({"virtual_pipeline_model_parallel_size": 1, "microbatch_group_size_per_vp_stage": 4}, (None, 4, None)),
     ],
 )
-def test_read_settings(fields, expected):
-    assert read_settings(config(**fields)) == expected
+def test_step_settings_read(fields, read):
+    settings = StepSettings.read(config(**fields), PG, "dp_balanced", False, "portable")
+    assert (settings.virtual_stages, settings.microbatch_group, settings.max_seqs) == read
+    assert settings.capacity == 64 and settings.limits == Limits(1, 64) and settings.min_dynamic_cp_size is None
 
 
 @pytest.mark.parametrize(
@@ -47,9 +63,9 @@ def test_read_settings(fields, expected):
         ),
     ],
 )
-def test_read_settings_names_the_bad_field(fields, message):
+def test_settings_rules_name_the_bad_field(fields, message):
     with pytest.raises(ValueError, match=message):
-        read_settings(config(**fields))
+        rules.check_settings(config(sequence_packing_scheduler="dp_balanced", **fields), PG)
 
 
 def _caps(**changes):

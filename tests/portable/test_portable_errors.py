@@ -21,14 +21,14 @@ PP2 = Case(Layout(2, 1, 1), steps=1)
 
 RUNS: list[tuple[str, Case, Fault, str, str, int]] = [
     # (id, case, fault, exception raised by wrap on every rank, text in its message, PP size)
-    ("oversize tp2", TP2, Fault("oversize", 1, 2), "PortablePackingError", "DP rank 1, sample 2", 1),
-    ("oversize cp2", CP2, Fault("oversize", 0, 5), "PortablePackingError", "exceeds the bin capacity 128", 1),
-    ("oversize pp4", PP4, Fault("oversize", 0, 2), "PortablePackingError", "sample 2", 4),
-    ("missing key", TP2, Fault("no labels", 0, 1, kind="no_labels"), "PortablePackingError", "'labels'", 1),
-    ("missing key pp2", PP2, Fault("no labels", 0, 4, kind="no_labels"), "PortablePackingError", "'labels'", 2),
-    ("one rank ran out", TP2, Fault("ran out", 1, 3, kind="exhausted"), "PortablePackingError", "after 3", 1),
+    ("oversize tp2", TP2, Fault("oversize", 1, 2), "BadSampleError", "DP rank 1, sample 2", 1),
+    ("oversize cp2", CP2, Fault("oversize", 0, 5), "BadSampleError", "exceeds the bin capacity 128", 1),
+    ("oversize pp4", PP4, Fault("oversize", 0, 2), "BadSampleError", "sample 2", 4),
+    ("missing key", TP2, Fault("no labels", 0, 1, kind="no_labels"), "BadSampleError", "'labels'", 1),
+    ("missing key pp2", PP2, Fault("no labels", 0, 4, kind="no_labels"), "BadSampleError", "'labels'", 2),
+    ("one rank ran out", TP2, Fault("ran out", 1, 3, kind="exhausted"), "BadSampleError", "after 3", 1),
     ("all ran out", CP2, Fault("all out", None, 0, kind="exhausted"), "StopIteration", "exhausted", 1),
-    ("cp siblings differ", CP2, Fault("cp", 1, 0, kind="fits", cp_rank=1), "PortablePackingError", "CP", 1),
+    ("cp siblings differ", CP2, Fault("cp", 1, 0, kind="fits", cp_rank=1), "BadSampleError", "CP", 1),
     ("capacity fits cp2", CP2, Fault("fits", 1, 0, kind="fits"), "ok", "", 1),
     ("capacity fits tp2", TP2, Fault("fits", 0, 7, kind="fits"), "ok", "", 1),
     ("capacity fits pp4", PP4, Fault("fits", 0, 1, kind="fits"), "ok", "", 4),

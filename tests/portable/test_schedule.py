@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mcore_compat.portable.errors import OK, PortablePackingError, Problem, record
+from mcore_compat.errors import BadSampleError
 from mcore_compat.portable.schedule import (
     ReportedLengths,
     first_fit_in_order,
@@ -13,6 +13,7 @@ from mcore_compat.portable.schedule import (
     split_to_multiple,
     step_table,
 )
+from mcore_compat.problems import OK, Problem, record
 
 
 @pytest.mark.parametrize(
@@ -71,9 +72,9 @@ def test_split_to_multiple(bins, multiple, expected):
 )
 def test_split_to_multiple_where_the_first_bin_never_donates(bins, multiple, expected):
     if expected is None:
-        with pytest.raises(PortablePackingError) as err:
+        with pytest.raises(BadSampleError) as err:
             split_to_multiple(bins, multiple, first_bin_donates=False)
-        assert err.value.problem is Problem.TOO_FEW_SAMPLES
+        assert err.value.verdict[0] == Problem.TOO_FEW_SAMPLES
     else:
         assert split_to_multiple(bins, multiple, first_bin_donates=False) == expected
 
@@ -83,9 +84,9 @@ def test_split_to_multiple_where_the_first_bin_never_donates(bins, multiple, exp
     [([[0]], 2, 1), ([[0, 1], [2]], 4, 3), ([[0], [1], [2]], 4, 3)],
 )
 def test_split_to_multiple_needs_enough_samples(bins, multiple, samples):
-    with pytest.raises(PortablePackingError) as info:
+    with pytest.raises(BadSampleError) as info:
         split_to_multiple(bins, multiple)
-    assert info.value.verdict == record(Problem.TOO_FEW_SAMPLES, a=samples, b=len(bins), c=multiple)
+    assert list(info.value.verdict) == record(Problem.TOO_FEW_SAMPLES, a=samples, b=len(bins), c=multiple)
     assert f"has {samples} samples packed into {len(bins)} bins" in str(info.value)
 
 

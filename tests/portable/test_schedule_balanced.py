@@ -9,10 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mcore_compat.errors import BadSampleError
 from mcore_compat.plan import SYNTHETIC, lower_bound, synthetic_lengths
 from mcore_compat.portable import SCHEDULERS
-from mcore_compat.portable.errors import PortablePackingError, Problem
 from mcore_compat.portable.schedule import PLANNERS, BinPlan, plan_balanced, plan_dp_balanced, routes
+from mcore_compat.problems import Problem
 from tests.conftest import SEED
 
 
@@ -56,9 +57,9 @@ def test_least_loaded_dealing_falls_back_to_best_fit():
 
 
 def test_balanced_refuses_like_dp_balanced_when_no_plan_exists():
-    with pytest.raises(PortablePackingError) as info:
+    with pytest.raises(BadSampleError) as info:
         plan_balanced([8, 8, 8], capacity=8, dp_size=4)
-    assert info.value.problem is Problem.TOO_FEW_SAMPLES
+    assert info.value.verdict[0] == Problem.TOO_FEW_SAMPLES
 
 
 def test_balanced_returns_dp_balanced_plan_when_it_cannot_do_better():
@@ -86,12 +87,12 @@ def test_balanced_invariants_and_guarantee(lengths, capacity, dp, vpp_group, max
     kwargs = {"capacity": capacity, "dp_size": dp, "vpp_group": vpp_group, "max_seqs": max_seqs}
     try:
         reference = plan_dp_balanced(lengths, **kwargs)
-    except PortablePackingError:
+    except BadSampleError:
         reference = None
     try:
         plan = plan_balanced(lengths, **kwargs)
-    except PortablePackingError as exc:
-        assert exc.problem is Problem.TOO_FEW_SAMPLES
+    except BadSampleError as exc:
+        assert exc.verdict[0] == Problem.TOO_FEW_SAMPLES
         assert reference is None, "balanced refused a batch dp_balanced packs"
         return
     check_invariants(plan, lengths, capacity, dp, vpp_group, max_seqs)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
-from mcore_compat.errors import PackingConfigError
 from mcore_compat.results import PackedBatch, SchedulerApi, WrapResult
+from mcore_compat.rules import check_config_object
 
 if TYPE_CHECKING:
     from mcore_compat.adapters.base import PackingAdapter
@@ -38,11 +38,7 @@ def entry_points(adapter: PackingAdapter) -> SchedulerApi:
         dynamic_cp: bool = False,
         config: Any = None,
     ) -> PackedBatch:
-        if config is None:
-            raise PackingConfigError(
-                "config=None: the portable backend reads the packing settings from the model config; "
-                "pass config=<the model's TransformerConfig>"
-            )
+        check_config_object(config)
         return adapter.get_batch(data_iterator, config, pg_collection=pg_collection, vp_stage=vp_stage)
 
     return wrap_data_iterator, get_batch_on_this_rank_for_sequence_packing

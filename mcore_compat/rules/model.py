@@ -1,25 +1,28 @@
-"""Runtime packing settings, read strictly from the model config on every rank before any collective.
+"""The rules of a model config (Megatron-Core's ``TransformerConfig``), each written once.
 
-The rules are the ones :func:`packing.config.validate_global_batch_packing` applies before training,
-so a config that was never validated fails the same way, on every rank, naming the field, its value
-and the fix, instead of running something else (``dynamic_context_parallel="yes"`` running static CP)
-or failing inside Megatron-Core. The adapters and the facade call these checks before the step's
-agreement; a rank they refuse joins the agreement with the refusal
-(:func:`mcore_compat.agreement.fail_together`), so a value invalid on some ranks only is raised on every
-rank; valid settings that differ between ranks are caught there too (:func:`settings_words`).
+A step checks them on every rank before any collective, and :func:`packing.config.validate_global_batch_packing`
+applies the same functions to the ``model`` part of Megatron-Bridge's container before training (``owner`` names
+the part in messages), so a config that was never validated fails the same way, naming the field, its value and
+the fix, instead of running something else (``dynamic_context_parallel="yes"`` running static CP) or failing inside
+Megatron-Core. A rank a rule refuses joins the step's agreement with the refusal
+(:func:`mcore_compat.agreement.fail_together`), so a value invalid on some ranks only is raised on every rank;
+valid settings that differ between ranks are caught there too (:func:`settings_words`).
 """
 
 from __future__ import annotations
 
+import difflib
 import enum
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from mcore_compat.contract import Limits, alignment_multiple
+from mcore_compat.contract.schema import Limits
 from mcore_compat.errors import PackingConfigError
 from mcore_compat.generations import PACKING_CONFIG_FIELDS, PACKING_MOE_DISPATCHERS
-from mcore_compat.portable.errors import NOT_AN_INT, SETTINGS_FIELDS
+from mcore_compat.problems import NOT_AN_INT, SETTINGS_FIELDS
+from mcore_compat.rules.values import alignment_multiple, invalid, is_positive_int, is_power_of_two, switch_problem
+from mcore_compat.schedulers import SCHEDULER_NAMES
 
 __all__ = [
     "CP_PARTITION_MODES",
@@ -28,24 +31,32 @@ __all__ = [
     "SWITCHES",
     "THD_TAIL_POLICIES",
     "check_config_object",
-    "check_dynamic_cp_microbatch_group",
+    "check_cuda_graphs",
     "check_dynamic_cp_pool",
+    "check_hybrid_flag",
+    "check_micro_batch_size",
     "check_min_dynamic_cp_size",
     "check_moe_dispatcher",
+    "check_per_token_loss",
+    "check_pipeline_shapes",
+    "check_portable_dynamic_cp",
     "check_readable",
     "check_settings",
     "check_switches",
     "check_thd_settings",
     "check_virtual_stages",
+    "dynamic_cp_switch",
     "max_seqlen_per_dp_cp_rank",
     "probe_arguments",
     "require_fields",
+    "invalid_groups",
     "require_groups",
     "require_pg_collection",
     "scheduler_name",
     "scheduler_value",
     "settings_words",
     "standalone_mtp_stages",
+    "unknown_scheduler",
     "step_limits",
     "virtual_stages",
 ]
@@ -57,37 +68,43 @@ CP_PARTITION_MODES = ("zigzag", "contiguous")
 """Values of ``cp_partition_mode`` (absent means ``zigzag``)."""
 
 
-def _is_positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
 def scheduler_value(value: Any) -> Any:
     """An enum member with a string value (``PackingSchedulerEnum.DP_BALANCED``) as that string; else ``value``."""
     return value.value if isinstance(value, enum.Enum) and isinstance(value.value, str) else value
 
 
-def scheduler_name(model_config: Any, known: tuple[str, ...] = ()) -> str:
-    """The configured scheduler as an exact string (an enum member is written back as its string value).
+def unknown_scheduler(
+    value: Any, field: str = "sequence_packing_scheduler", registered: Sequence[str] = ()
+) -> str | None:
+    """Why ``value`` is not a scheduler name (not a string, or a typo: with the close spelling), or None.
 
-    With ``known``, the name must be one of them, spelt exactly.
+    The names are :data:`SCHEDULER_NAMES` and any other the pin's own registry holds (``registered``).
     """
+    if not isinstance(value, str):
+        return (
+            f"{field}={value!r} is not a scheduler name; pass a string such as 'dp_balanced' (or "
+            "'default_dynamic_cp' with dynamic context parallelism)"
+        )
+    known = tuple(dict.fromkeys((*SCHEDULER_NAMES, *registered)))
+    if value in known:
+        return None
+    folded = {name.lower(): name for name in known}
+    close = [folded[value.lower()]] if value.lower() in folded else difflib.get_close_matches(value, known, 1)
+    spelling = f"did you mean {close[0]!r}? " if close else ""
+    return f"{field}={value!r} is not a scheduler name; {spelling}known names: {', '.join(known)} (exact spelling)"
+
+
+def scheduler_name(model_config: Any, owner: str = "model_config", registered: Sequence[str] = ()) -> str:
+    """The configured scheduler as an exact string (an enum member is written back as its string value), one of
+    :data:`SCHEDULER_NAMES` or ``registered``."""
     configured = getattr(model_config, "sequence_packing_scheduler", None)
     value = scheduler_value(configured)
     if value is not configured:
         model_config.sequence_packing_scheduler = value
-    if not isinstance(value, str):
-        raise PackingConfigError(
-            f"model_config.sequence_packing_scheduler={value!r} is not a scheduler name; "
-            "set it to 'dp_balanced' (or 'default_dynamic_cp' with dynamic context parallelism)"
-        )
-    if known and value not in known:
-        close = [name for name in known if name.lower() == value.strip().lower()]
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise PackingConfigError(
-            f"model_config.sequence_packing_scheduler={value!r} is not a scheduler of this Megatron-Core; "
-            f"{hint}use one of {list(known)}, spelt exactly"
-        )
-    return value
+    problem = unknown_scheduler(value, f"{owner}.sequence_packing_scheduler", registered)
+    if problem is not None:
+        raise PackingConfigError(problem)
+    return str(value)
 
 
 def probe_arguments(scheduler: Any, dynamic_cp: Any) -> tuple[str, bool] | str:
@@ -95,10 +112,7 @@ def probe_arguments(scheduler: Any, dynamic_cp: Any) -> tuple[str, bool] | str:
     they are neither: the probe answers for them as the runtime would read the config fields they stand for."""
     scheduler = scheduler_value(scheduler)
     if not isinstance(scheduler, str):
-        return (
-            f"sequence_packing_scheduler={scheduler!r} is not a scheduler name; pass a string such as "
-            "'dp_balanced' (or 'default_dynamic_cp' with dynamic context parallelism)"
-        )
+        return str(unknown_scheduler(scheduler))
     if not isinstance(dynamic_cp, bool):
         return (
             f"dynamic_cp={dynamic_cp!r} is not a switch; pass True or False (a bool, as "
@@ -116,45 +130,45 @@ SWITCHES = (
 """Config switches a packing step reads (``hybrid_context_parallel`` is the deprecated name of the first)."""
 
 
-def check_switches(model_config: Any) -> None:
+def check_switches(model_config: Any, owner: str = "model_config") -> None:
     """Each of :data:`SWITCHES` is True, False or unset (None): a string such as ``'False'`` would read as on."""
     for name in SWITCHES:
         value = getattr(model_config, name, None)
-        if value is not None and not isinstance(value, bool):
-            raise PackingConfigError(
-                f"model_config.{name}={value!r}: set it to True or False (a bool; "
-                f"{type(value).__name__} values such as 1 or 'yes' are not read as a switch)"
-            )
+        problem = switch_problem(value)
+        if problem is not None:
+            raise invalid(f"{owner}.{name}", value, problem)
 
 
-def check_dynamic_cp_pool(pg_collection: Any) -> int:
+def check_dynamic_cp_pool(dp: int, cp: int, field: str = "pg_collection.dp_cp.size()") -> int:
     """The DP x CP pool dynamic CP forms its groups from: a power of two >= 2 (the schedulers size groups in powers
-    of two up to the pool; Megatron-Core's own groups at another pool lack some of them). Returns its size."""
-    pool = int(pg_collection.dp_cp.size())
-    if pool < 2 or pool & (pool - 1):
-        raise PackingConfigError(
-            f"DP x CP = {pool} ranks (data-parallel {pg_collection.dp.size()} x context-parallel "
-            f"{pg_collection.cp.size()}): dynamic context parallelism needs a power of two >= 2; change the world "
-            "size or context_parallel_size"
+    of two up to the pool; Megatron-Core's own groups at another pool lack some of them). Returns its size.
+
+    ``field`` names where the size was read: the pool itself, or the data-parallel size it comes from.
+    """
+    pool = dp * cp
+    if pool < 2 or not is_power_of_two(pool):
+        raise invalid(
+            field,
+            dp if field.endswith("data_parallel_size") else pool,
+            f"dynamic CP needs the DP x CP pool (data-parallel {dp} x context-parallel {cp} = {pool}) to be a power "
+            "of two >= 2; change the world size or context_parallel_size",
         )
     return pool
 
 
-def check_min_dynamic_cp_size(model_config: Any, pool: int) -> int:
-    """``min_dynamic_context_parallel_size``: a power of two that divides the DP x CP pool."""
-    value = getattr(model_config, "min_dynamic_context_parallel_size", 1)
-    if not _is_positive_int(value) or value & (value - 1) or pool % value:
-        raise PackingConfigError(
-            f"model_config.min_dynamic_context_parallel_size={value!r}: set it to a power of two that divides "
-            f"the DP x CP pool ({pool}), e.g. 1"
-        )
-    return value
+def check_min_dynamic_cp_size(field: str, value: Any, pool: int | None) -> int:
+    """``min_dynamic_context_parallel_size`` (``field`` names where it was given): a power of two no larger than the
+    DP x CP pool (so it divides it), where the pool is known."""
+    if not is_power_of_two(value) or (pool is not None and value > pool):
+        pool_size = f" ({pool})" if pool is not None else ""
+        raise invalid(field, value, f"set it to a power of two no larger than the DP x CP pool{pool_size}, e.g. 1")
+    return int(value)
 
 
 def max_seqlen_per_dp_cp_rank(model_config: Any) -> int:
     """The bin capacity per DP x CP rank: a positive int."""
     capacity: Any = getattr(model_config, "max_seqlen_per_dp_cp_rank", None)
-    if not _is_positive_int(capacity):
+    if not is_positive_int(capacity):
         raise PackingConfigError(
             f"model_config.max_seqlen_per_dp_cp_rank={capacity!r}: set it to a positive int, the number of padded "
             "tokens one DP x CP rank holds per microbatch (bins hold that times the CP size, or the DP x CP pool "
@@ -172,7 +186,7 @@ def check_thd_settings(model_config: Any, owner: str = "model_config") -> None:
     as ``{owner}.{field}`` (validation passes ``"model"``).
     """
     max_seqs = getattr(model_config, "thd_max_packed_sequences", None)
-    if max_seqs is not None and not _is_positive_int(max_seqs):
+    if max_seqs is not None and not is_positive_int(max_seqs):
         raise PackingConfigError(
             f"{owner}.thd_max_packed_sequences={max_seqs!r}: set it to None or a positive int, the most "
             "sequences one packed microbatch holds"
@@ -181,7 +195,7 @@ def check_thd_settings(model_config: Any, owner: str = "model_config") -> None:
     if (
         alignment is not None
         and not (isinstance(alignment, str) and alignment == "max")
-        and not _is_positive_int(alignment)
+        and not is_positive_int(alignment)
     ):
         raise PackingConfigError(
             f"{owner}.pad_packed_seq_alignment={alignment!r}: set it to None, a positive int (pad each packed "
@@ -207,45 +221,104 @@ def check_thd_settings(model_config: Any, owner: str = "model_config") -> None:
         )
 
 
-def check_virtual_stages(model_config: Any) -> None:
-    """``virtual_pipeline_model_parallel_size`` is None or a positive int and, when it is set,
-    ``microbatch_group_size_per_vp_stage`` (which Megatron-Core's scheduler then reads) is None or a positive int.
+def check_virtual_stages(model_config: Any, *, dynamic_cp: bool = False, stages_run: bool = True) -> None:
+    """``virtual_pipeline_model_parallel_size`` is None or a positive int (1 where the backend runs no virtual
+    stages: ``stages_run`` False) and, when it is set, ``microbatch_group_size_per_vp_stage`` (which Megatron-Core's
+    scheduler then reads) is None or a positive int, None or 1 under dynamic CP.
 
-    Megatron-Core takes 0 or a bool for one stage and fails on a float or a string inside the step.
+    Megatron-Core takes 0 or a bool for one stage and fails on a float or a string inside the step; its dynamic-CP
+    scheduler aligns its group count to the microbatch group whenever virtual stages are set at all, even to 1, and
+    fails an assertion in a step whose groups cannot be split that far.
     """
     stages = getattr(model_config, "virtual_pipeline_model_parallel_size", None)
     if stages is None:
         return
-    if not _is_positive_int(stages):
-        raise PackingConfigError(
-            f"model_config.virtual_pipeline_model_parallel_size={stages!r}: set it to None (no virtual pipeline "
-            "stages) or a positive int, the number of virtual stages per pipeline rank"
+    field = "model_config.virtual_pipeline_model_parallel_size"
+    if not is_positive_int(stages):
+        raise invalid(
+            field,
+            stages,
+            "set it to None (no virtual pipeline stages) or a positive int, the number of virtual stages per pipeline "
+            "rank",
+        )
+    if not stages_run and stages != 1:
+        raise invalid(
+            field, stages, "dynamic context parallelism runs without virtual pipeline parallelism here; set it to None"
         )
     group = getattr(model_config, "microbatch_group_size_per_vp_stage", None)
-    if group is not None and not _is_positive_int(group):
-        raise PackingConfigError(
-            f"model_config.microbatch_group_size_per_vp_stage={group!r} with virtual_pipeline_model_parallel_size="
-            f"{stages}: set it to None or a positive int (Megatron-Core defaults it to the pipeline-parallel size)"
+    if group is not None and not is_positive_int(group):
+        raise invalid(
+            "model_config.microbatch_group_size_per_vp_stage",
+            group,
+            f"with virtual_pipeline_model_parallel_size={stages}: set it to None or a positive int (Megatron-Core "
+            "defaults it to the pipeline-parallel size)",
+        )
+    if dynamic_cp and group not in (None, 1):
+        raise invalid(
+            "model_config.microbatch_group_size_per_vp_stage",
+            group,
+            "with dynamic context parallelism it groups microbatches for virtual pipeline stages, which dynamic CP "
+            "runs without, yet Megatron-Core's dynamic-CP scheduler aligns to it and fails for steps it cannot "
+            "split; set it to None or 1 (or virtual_pipeline_model_parallel_size=None)",
         )
 
 
-def check_dynamic_cp_microbatch_group(model_config: Any) -> None:
-    """Under dynamic CP (no virtual stages: ``virtual_pipeline_model_parallel_size`` None or 1),
-    ``microbatch_group_size_per_vp_stage`` is None or 1.
+def check_per_token_loss(field: str, value: Any) -> None:
+    """Packed microbatches hold different token counts: the loss is summed per token (``calculate_per_token_loss``)."""
+    if value is not True:
+        raise invalid(field, value, f"packed microbatches hold different token counts; set {field}=True")
 
-    Megatron-Core's dynamic-CP scheduler aligns its group count to it whenever virtual stages are set at all,
-    even to 1, and fails an assertion in a step whose groups cannot be split that far.
-    """
-    if getattr(model_config, "virtual_pipeline_model_parallel_size", None) is None:
-        return
-    group = getattr(model_config, "microbatch_group_size_per_vp_stage", None)
-    if group is not None and group != 1:
-        raise PackingConfigError(
-            f"model_config.microbatch_group_size_per_vp_stage={group!r} with dynamic context parallelism: it groups "
-            "microbatches for virtual pipeline stages, which dynamic CP runs without, yet Megatron-Core's dynamic-CP "
-            "scheduler aligns to it and fails for steps it cannot split; set it to None or 1 (or "
-            "virtual_pipeline_model_parallel_size=None)"
+
+def check_micro_batch_size(field: str, value: Any) -> None:
+    """Each packed microbatch is built from single samples: a micro-batch size of 1."""
+    if not (is_positive_int(value) and value == 1):
+        raise invalid(field, value, f"each packed microbatch is built from single samples; set {field}=1")
+
+
+def check_cuda_graphs(model_config: Any, owner: str = "model_config") -> None:
+    """No CUDA graphs (``enable_cuda_graph``, ``cuda_graph_impl``, ``vision_cuda_graph_impl``): they need one
+    static shape and packed microbatches vary in length."""
+    fix = "CUDA graphs need static shapes and packed microbatches vary"
+    enabled = getattr(model_config, "enable_cuda_graph", False)
+    if enabled not in (None, False):
+        raise invalid(f"{owner}.enable_cuda_graph", enabled, f"{fix}; set {owner}.enable_cuda_graph=False")
+    for name in ("cuda_graph_impl", "vision_cuda_graph_impl"):
+        impl = getattr(model_config, name, "none")
+        if impl not in (None, "none"):
+            raise invalid(f"{owner}.{name}", impl, f"{fix}; set {owner}.{name}='none'")
+
+
+def check_hybrid_flag(model_config: Any, config_fields: Sequence[str], owner: str = "model_config") -> None:
+    """``hybrid_context_parallel`` stays off where it is not an alias of ``dynamic_context_parallel`` (pins whose
+    config lacks that field: there it diverts every step into Megatron-Core's own hybrid-CP schedule)."""
+    value = getattr(model_config, "hybrid_context_parallel", None)
+    if value is True and "dynamic_context_parallel" not in config_fields:
+        raise invalid(
+            f"{owner}.hybrid_context_parallel",
+            value,
+            "on this Megatron-Core it makes forward_backward_no_pipelining divert every step into its own hybrid-CP "
+            "schedule, which does not run packed microbatches; leave it False and set "
+            f"{owner}.dynamic_context_parallel=True (after constructing the config) for dynamic CP",
         )
+
+
+def check_portable_dynamic_cp(model_config: Any, pipeline_stages: int, config_fields: Sequence[str]) -> None:
+    """What the portable backend's dynamic CP runs with: one pipeline stage and no virtual stages, per-token loss,
+    micro-batch size 1, no CUDA graphs, and ``hybrid_context_parallel`` off where it is not an alias. Attributes the
+    config does not have are not checked."""
+    if pipeline_stages > 1:
+        raise invalid(
+            "pipeline_model_parallel_size",
+            pipeline_stages,
+            "dynamic context parallelism runs without pipeline parallelism on the portable backend; set it to 1",
+        )
+    check_virtual_stages(model_config, dynamic_cp=True, stages_run=False)
+    check_per_token_loss(
+        "model_config.calculate_per_token_loss", getattr(model_config, "calculate_per_token_loss", True)
+    )
+    check_micro_batch_size("model_config.micro_batch_size", getattr(model_config, "micro_batch_size", 1))
+    check_cuda_graphs(model_config)
+    check_hybrid_flag(model_config, config_fields)
 
 
 def check_pipeline_shapes(model_config: Any, pipeline_stages: int) -> None:
@@ -271,7 +344,7 @@ def virtual_stages(model_config: Any) -> int | None:
     """The number of virtual pipeline stages per pipeline rank when there are several, else None
     (after :func:`check_virtual_stages`)."""
     stages: Any = getattr(model_config, "virtual_pipeline_model_parallel_size", None)
-    return int(stages) if _is_positive_int(stages) and stages > 1 else None
+    return int(stages) if is_positive_int(stages) and stages > 1 else None
 
 
 def standalone_mtp_stages(model_config: Any) -> frozenset[tuple[int, int]]:
@@ -311,6 +384,7 @@ STEP_FIELDS: tuple[str, ...] = tuple(
             "expert_tensor_parallel_size",
             "is_hybrid_model",
             "experimental_attention_variant",
+            "vision_cuda_graph_impl",
         )
     )
 )
@@ -363,7 +437,7 @@ def check_moe_dispatcher(model_config: Any, owner: str = "model_config") -> None
     tp: Any = getattr(model_config, "tensor_model_parallel_size", 1)
     ep: Any = getattr(model_config, "expert_model_parallel_size", 1)
     etp: Any = getattr(model_config, "expert_tensor_parallel_size", None)
-    if (_is_positive_int(ep) and ep > 1) or (_is_positive_int(etp) and _is_positive_int(tp) and etp > tp):
+    if (is_positive_int(ep) and ep > 1) or (is_positive_int(etp) and is_positive_int(tp) and etp > tp):
         raise PackingConfigError(
             f"{owner}.moe_token_dispatcher_type={dispatcher!r} with num_moe_experts={experts!r}, "
             f"expert_model_parallel_size={ep!r} and expert_tensor_parallel_size={etp!r}: it gathers equal token "
@@ -372,22 +446,39 @@ def check_moe_dispatcher(model_config: Any, owner: str = "model_config") -> None
         )
 
 
-def check_settings(model_config: Any, pool: int, dynamic_cp: bool, pipeline_stages: int = 1) -> None:
-    """Every setting a step reads, before the pin is asked whether it can run them.
+def dynamic_cp_switch(model_config: Any, config_fields: Sequence[str]) -> bool:
+    """Whether the config turns dynamic CP on: an explicit True, or Megatron-Core's deprecated
+    ``hybrid_context_parallel`` alias where the pin's config has both fields (``config_fields``)."""
+    if getattr(model_config, "dynamic_context_parallel", None) is True:
+        return True
+    has_alias = "dynamic_context_parallel" in config_fields and "hybrid_context_parallel" in config_fields
+    return has_alias and getattr(model_config, "hybrid_context_parallel", None) is True
 
-    A config mistake is reported as one (naming the field and the fix) even where the pin would also
-    refuse: fix the config, then the pin. ``pool`` is the DP x CP size. Call :func:`check_config_object` first.
+
+def check_settings(
+    model_config: Any, pg_collection: Any, config_fields: Sequence[str] = (), registered: Sequence[str] = ()
+) -> bool:
+    """Every rule of a step's config and groups, in the order a user fixes them, before the pin is asked whether it
+    can run them: a config mistake is reported as one even where the pin would also refuse. Returns whether the
+    step runs dynamic CP (:func:`dynamic_cp_switch`, read once the config is known to be readable).
+
+    ``config_fields`` are the pin's config fields; ``registered`` its own scheduler names.
     """
+    require_groups(pg_collection)
+    check_config_object(model_config)
     check_switches(model_config)
-    scheduler_name(model_config)
-    check_virtual_stages(model_config)
-    check_pipeline_shapes(model_config, pipeline_stages)
+    dynamic_cp = dynamic_cp_switch(model_config, config_fields)
+    scheduler_name(model_config, registered=registered)
+    check_virtual_stages(model_config, dynamic_cp=dynamic_cp)
+    check_pipeline_shapes(model_config, pg_collection.pp.size())
     if dynamic_cp:
-        check_min_dynamic_cp_size(model_config, pool)
-        check_dynamic_cp_microbatch_group(model_config)
+        pool = check_dynamic_cp_pool(pg_collection.dp.size(), pg_collection.cp.size())
+        minimum = getattr(model_config, "min_dynamic_context_parallel_size", 1)
+        check_min_dynamic_cp_size("model_config.min_dynamic_context_parallel_size", minimum, pool)
     max_seqlen_per_dp_cp_rank(model_config)
     check_thd_settings(model_config)
     check_moe_dispatcher(model_config)
+    return dynamic_cp
 
 
 def require_fields(model_config: Any, fields: tuple[str, ...], why: str) -> None:
@@ -411,6 +502,11 @@ def require_pg_collection(pg_collection: Any) -> None:
         raise PackingConfigError(
             f"pg_collection=None: global-batch packing needs the model's ProcessGroupCollection (e.g. {_BUILD_PG})"
         )
+
+
+def invalid_groups(problem: str) -> PackingConfigError:
+    """The error of process groups that do not match the step's layout (``problem`` names what was found)."""
+    return PackingConfigError(problem)
 
 
 def require_groups(pg_collection: Any) -> None:
@@ -468,7 +564,7 @@ def _word(value: Any) -> int:
 
 
 def settings_words(model_config: Any) -> list[int]:
-    """The fields of :data:`~mcore_compat.portable.errors.SETTINGS_FIELDS` as words the agreement compares.
+    """The fields of :data:`~mcore_compat.problems.SETTINGS_FIELDS` as words the agreement compares.
 
     Ranks that read a step with different settings would schedule different bins and then wait in
     different collectives; comparing them in the agreement makes every rank raise instead.
