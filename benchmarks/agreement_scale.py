@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mcore_compat.agreement import ROW_WIDTH, Row, all_agree, decide  # noqa: E402
-from mcore_compat.portable.errors import OK, SETTINGS_FIELDS  # noqa: E402
+from mcore_compat.problems import OK, SETTINGS_FIELDS  # noqa: E402
 
 TP, CP = 8, 2
 

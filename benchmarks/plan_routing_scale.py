@@ -22,9 +22,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mcore_compat.plan import Layout, format_reports, plan_lengths, synthetic_lengths  # noqa: E402
-from mcore_compat.portable.errors import OK  # noqa: E402
 from mcore_compat.portable.exchange import WORDS_PER_TOKEN  # noqa: E402
 from mcore_compat.portable.schedule import PLANNERS, ReportedLengths, judge, routes, step_table  # noqa: E402
+from mcore_compat.problems import OK  # noqa: E402
 
 CAPACITY = 8192
 
