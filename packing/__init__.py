@@ -30,10 +30,11 @@ from packing._bridge import (  # Bridge's seams, re-exported where callers patch
     _announce_portable,  # noqa: F401
     _iterator_for_tp_rank,  # noqa: F401
     _scheduler_api,  # noqa: F401
-    _thd_cp_route_prebuilder,
+    _thd_cp_route_prebuilder,  # noqa: F401
     fetch_with,
     logger,  # noqa: F401
     patched_api,
+    patched_route_prebuilder,
     wrap_with,
 )
 from packing.types import PackingModelConfig, ProcessGroupCollectionLike
@@ -163,7 +164,7 @@ def get_batch_for_global_batch_packing(
     takes (None, a plain dict, a field that raises on reading), on every pin alike.
     """
     rules.require_pg_collection(pg_collection)
-    rules.check_config_object(model_config)
+    rules.check_fetch_config(model_config)
     api = patched_api(_facade())
     if api is not None:
         batch = fetch_with(api, _facade(), data_iterator, model_config, pg_collection, vp_stage)
@@ -184,7 +185,7 @@ def finalize_packed_seq_params(packed_seq_params: Any, pg_collection: ProcessGro
     if packed_seq_params is None:
         return None
     rules.require_pg_collection(pg_collection)
-    return adapter().finalize(packed_seq_params, pg_collection, route_prebuilder=_thd_cp_route_prebuilder)
+    return adapter().finalize(packed_seq_params, pg_collection, route_prebuilder=patched_route_prebuilder(_facade()))
 
 
 def _facade() -> Any:

@@ -28,6 +28,7 @@ __all__ = [
     "fetch_with",
     "logger",
     "patched_api",
+    "patched_route_prebuilder",
     "wrap_with",
 ]
 
@@ -77,6 +78,12 @@ def _thd_cp_route_prebuilder() -> Callable[..., None] | None:
 def _iterator_for_tp_rank(data_iterator: Any, pg_collection: ProcessGroupCollectionLike) -> Any:
     """Return the iterator on TP rank 0 and None elsewhere, as the scheduler requires."""
     return data_iterator if pg_collection.tp.rank() == 0 else None
+
+
+def patched_route_prebuilder(facade: ModuleType) -> Callable[[], Callable[..., None] | None] | None:
+    """``facade._thd_cp_route_prebuilder`` where a caller replaced it, else None (the adapter's own, read once)."""
+    seam = facade._thd_cp_route_prebuilder
+    return None if seam is _thd_cp_route_prebuilder else seam
 
 
 def patched_api(facade: ModuleType) -> SchedulerApi | None:

@@ -101,6 +101,8 @@ class NativeSchedulerAdapter(PackingAdapter):
         self._wrap = getattr(module, WRAP_FUNCTION)
         self._fetch = getattr(module, FETCH_FUNCTION)
         self._portable_adapter: PortableAdapter | None = None
+        self._step: tuple[Any, StepSettings] | None = None
+        """The config and settings of the last step this rank prepared (a fetch of that step reads them)."""
 
     @classmethod
     def speaks(cls, capabilities: Capabilities) -> bool:
@@ -180,10 +182,12 @@ class NativeSchedulerAdapter(PackingAdapter):
     def prepare(self, model_config: Any, pg_collection: Any) -> StepSettings:
         """The shared rules and the probe; then the portable backend's rules where this config runs there, else the
         fields this pin's scheduler reads (its padding reaches the model as the generation table says)."""
+        self._step = None
         settings = super().prepare(model_config, pg_collection)
         if self._config_runs_portably(model_config):
             settings = dataclasses.replace(settings, backend="portable")
             self._portable().check_step(model_config, pg_collection, settings)
+            self._step = (model_config, settings)
             return settings
         fields: tuple[str, ...] = ("max_seqlen_per_dp_cp_rank", "virtual_pipeline_model_parallel_size")
         if getattr(model_config, "virtual_pipeline_model_parallel_size", None) is not None:
@@ -192,7 +196,9 @@ class NativeSchedulerAdapter(PackingAdapter):
             fields += _EVERY_STAGE_FIELDS
         rules.require_fields(model_config, fields, f"Megatron-Core's {self.facts.id} scheduler")
         limits = dataclasses.replace(settings.limits, padding_reaches_model=self.facts.padding_reaches_model)
-        return dataclasses.replace(settings, limits=limits)
+        settings = dataclasses.replace(settings, limits=limits)
+        self._step = (model_config, settings)
+        return settings
 
     def wrap(self, data_iterator: Any, model_config: Any, num_microbatches: int, pg_collection: Any) -> WrapResult:
         """Check the settings, agree on this step's samples on every rank, then run MCore's scheduler.
@@ -330,7 +336,8 @@ class NativeSchedulerAdapter(PackingAdapter):
     def get_batch(
         self, data_iterator: Any, model_config: Any, *, pg_collection: Any, vp_stage: int | None
     ) -> PackedBatch:
-        if self._config_runs_portably(model_config):
+        step = self._step[1] if self._step is not None and self._step[0] is model_config else None
+        if step.backend == "portable" if step is not None else self._config_runs_portably(model_config):
             portable = self._portable()
             return portable.get_batch(data_iterator, model_config, pg_collection=pg_collection, vp_stage=vp_stage)
         kwargs: dict[str, Any] = {
@@ -340,7 +347,7 @@ class NativeSchedulerAdapter(PackingAdapter):
             "pg_collection": pg_collection,
         }
         if "dynamic_cp" in self.facts.fetch_keywords:
-            kwargs["dynamic_cp"] = self.dynamic_cp_enabled(model_config)
+            kwargs["dynamic_cp"] = step.dynamic_cp if step is not None else self.dynamic_cp_enabled(model_config)
         if "config" in self.facts.fetch_keywords:
             kwargs["config"] = model_config
         iterator, problem = self.fetch_source(

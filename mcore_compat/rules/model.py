@@ -33,6 +33,7 @@ __all__ = [
     "check_config_object",
     "check_cuda_graphs",
     "check_dynamic_cp_pool",
+    "check_fetch_config",
     "check_hybrid_flag",
     "check_micro_batch_size",
     "check_min_dynamic_cp_size",
@@ -424,6 +425,19 @@ def check_config_object(model_config: Any) -> None:
             "attributes (model_config.sequence_packing_scheduler, ...), not keys; pass the TransformerConfig the model "
             "was built with (or types.SimpleNamespace(**settings))"
         )
+
+
+_last_fetch_config: list[Any] = [None]
+"""The config object the last fetch accepted (a strong reference: configs need not support weak ones)."""
+
+
+def check_fetch_config(model_config: Any) -> None:
+    """:func:`check_config_object` for a fetch, skipped for the object the last fetch accepted: every microbatch of
+    a step is fetched with the step's config, which ``wrap`` checked in full."""
+    if model_config is not None and model_config is _last_fetch_config[0]:
+        return
+    check_config_object(model_config)
+    _last_fetch_config[0] = model_config
 
 
 def check_moe_dispatcher(model_config: Any, owner: str = "model_config") -> None:
