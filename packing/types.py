@@ -59,21 +59,17 @@ class ProcessGroupCollectionLike(Protocol):
 
 
 class PackingModelConfig(Protocol):
-    """The model-config fields every packing step reads (Megatron-Core's ``TransformerConfig`` has them).
+    """The model config a packing step reads: Megatron-Core's ``TransformerConfig`` of any pin, or a stand-in.
 
-    Read where set, with Megatron-Core's defaults otherwise: ``dynamic_context_parallel`` (and the deprecated
-    ``hybrid_context_parallel`` alias where the pin has both), ``min_dynamic_context_parallel_size``,
-    ``microbatch_group_size_per_vp_stage`` (with VPP), ``pipeline_model_parallel_layout`` and
-    ``mtp_num_layers`` (which stage holds MTP layers), ``thd_max_packed_sequences``,
-    ``pad_packed_seq_alignment``; on dev pins Megatron-Core also reads its THD options (``cp_partition_mode``,
-    ``thd_tail_padding_policy``, ``cuda_graph_impl``).
+    Only what every pin's ``TransformerConfig`` declares is declared here, so a type checker accepts the real one
+    on every pin. The packing fields are set after construction where the pin's config lacks them
+    (``sequence_packing_scheduler``, ``max_seqlen_per_dp_cp_rank``, ``dynamic_context_parallel``,
+    ``min_dynamic_context_parallel_size``; releases and ``main``) and every step reads and checks them at run
+    time, raising ``PackingConfigError`` naming the field. The step also reads, where set,
+    ``microbatch_group_size_per_vp_stage``, ``pipeline_model_parallel_layout``, ``mtp_num_layers``,
+    ``thd_max_packed_sequences``, ``pad_packed_seq_alignment`` and, under dynamic CP, the fields that name the
+    model's parts (``mcore_compat.rules.STEP_FIELDS``).
     """
-
-    @property
-    def sequence_packing_scheduler(self) -> str | None: ...
-
-    @property
-    def max_seqlen_per_dp_cp_rank(self) -> int | None: ...
 
     @property
     def virtual_pipeline_model_parallel_size(self) -> int | None: ...
