@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from mcore_compat.adapters.base import PackedBatch, PackingAdapter, WrapResult, pin_hint, pins_running
+from mcore_compat.agreement import SETUP_ERRORS, fail_together
 from mcore_compat.capabilities import Capabilities
 
 
@@ -33,13 +34,18 @@ class UnsupportedAdapter(PackingAdapter):
         )
 
     def wrap(self, data_iterator: Any, model_config: Any, num_microbatches: int, pg_collection: Any) -> WrapResult:
-        self.require_runnable(model_config)
+        """The config's mistakes first, then the probe's refusal, on every rank together."""
+        try:
+            self.prepare(model_config, pg_collection)
+        except SETUP_ERRORS as error:
+            fail_together(error, num_microbatches, pg_collection, model_config)
         raise AssertionError("UnsupportedAdapter.probe never returns None")
 
     def get_batch(
         self, data_iterator: Any, model_config: Any, *, pg_collection: Any, vp_stage: int | None
     ) -> PackedBatch:
-        self.require_runnable(model_config)
+        """The probe's refusal (``UnsupportedPinError``)."""
+        self.scheduler_api()
         raise AssertionError("UnsupportedAdapter.probe never returns None")
 
 
