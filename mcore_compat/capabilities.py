@@ -37,6 +37,7 @@ from mcore_compat.generations import (
     match,
 )
 from mcore_compat.gitinfo import archive_commit, git_head
+from mcore_compat.import_failure import describe_import_failure
 
 __all__ = [
     "Capabilities",
@@ -166,13 +167,6 @@ def _import(name: str) -> ModuleType | None:
         return importlib.import_module(name)
     except ImportError:
         return None
-
-
-def _describe_error(exc: BaseException) -> str:
-    text = f"{type(exc).__name__}: {exc}"
-    if isinstance(exc, ModuleNotFoundError) and exc.name == "triton":
-        text += " (megatron-core 0.18 and later import triton unconditionally; pip install triton)"
-    return text
 
 
 def _version(core: ModuleType, commit: str | None) -> str:
@@ -322,9 +316,9 @@ def detect() -> Capabilities:
     except ModuleNotFoundError as exc:
         if exc.name in ("megatron", "megatron.core"):
             return _unavailable("megatron-core is not installed")
-        return _unavailable(_describe_error(exc), path=_located_core())
+        return _unavailable(describe_import_failure(exc), path=_located_core())
     except Exception as exc:  # noqa: BLE001 - any import failure is reported, not raised
-        return _unavailable(_describe_error(exc), path=_located_core())
+        return _unavailable(describe_import_failure(exc), path=_located_core())
     core_dir = Path(str(core.__file__)).resolve().parent
     commit = _commit(core_dir)
     version = _version(core, commit)
@@ -333,10 +327,10 @@ def detect() -> Capabilities:
         import_error = None
     except ModuleNotFoundError as exc:
         if exc.name != SCHEDULER_MODULE:
-            return _unavailable(_describe_error(exc), version, str(core_dir))
+            return _unavailable(describe_import_failure(exc), version, str(core_dir))
         ds, import_error = None, None
     except Exception as exc:  # noqa: BLE001
-        return _unavailable(_describe_error(exc), version, str(core_dir))
+        return _unavailable(describe_import_failure(exc), version, str(core_dir))
 
     utils = _import(SCHEDULER_UTILS_MODULE)
     psp = importlib.import_module("megatron.core.packed_seq_params")

@@ -1,5 +1,4 @@
-"""Command line: ``mcore-compat doctor [--json]``, ``mcore-compat pin list | status | <pin>``, ``mcore-compat demo``,
-``mcore-compat plan``."""
+"""The ``mcore-compat`` command: doctor, pin, demo and plan."""
 
 from __future__ import annotations
 
@@ -19,30 +18,51 @@ import mcore_compat
 from mcore_compat import pins
 from mcore_compat.capabilities import shadowed_install
 from mcore_compat.gitinfo import git_head, git_reachable
+from mcore_compat.quiet import library_noise_hidden
 
 __all__ = ["build_parser", "default_resolve", "main", "pin_main", "switch"]
 
 Runner = Callable[..., subprocess.CompletedProcess[Any]]
 
 
+DESCRIPTION = (
+    "Global-batch packing and dynamic context parallelism on whatever Megatron-Core is installed: what runs here "
+    "(doctor), which pins exist and switching between them (pin), one real packing step on CPU (demo), and what "
+    "packing does for your lengths and layout (plan)."
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mcore-compat", description=__doc__)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--verbose",
+        action="store_true",
+        help="also show the warnings Megatron-Core and its optional libraries print on import (hidden by default)",
+    )
+    parser = argparse.ArgumentParser(prog="mcore-compat", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"mcore-compat {mcore_compat.__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     doctor_cmd = commands.add_parser(
-        "doctor", help="what runs on the installed Megatron-Core, what does not and why (exit status 1: nothing runs)"
+        "doctor",
+        parents=[common],
+        help="what runs on the installed Megatron-Core, what does not and why (exit status 1: nothing runs)",
+        description="What runs on the installed Megatron-Core, what does not and why. With --verbose also the "
+        "capability record detection read. Exit status 0 when some scheduler runs, 1 when none does.",
     )
     doctor_cmd.add_argument("--json", action="store_true", help="machine-readable output")
-    doctor_cmd.add_argument("--verbose", action="store_true", help="also print the capability record detection read")
-    pin_cmd = commands.add_parser("pin", help="list the supported Megatron-Core pins, show or switch this one")
+    pin_cmd = commands.add_parser(
+        "pin", parents=[common], help="list the supported Megatron-Core pins, show or switch this one"
+    )
     pin_cmd.add_argument(
         "action",
         metavar="list|status|PIN",
         help="list: pins and how each installs; status: what is installed and which pin it is; "
         "PIN: install that pin here with pip, then print the doctor's report",
     )
-    commands.add_parser("demo", help="doctor, then one 4-rank CPU packing step through the facade (gloo)")
-    _add_plan(commands)
+    commands.add_parser(
+        "demo", parents=[common], help="doctor, then one 4-rank CPU packing step through the facade (gloo)"
+    )
+    _add_plan(commands, common)
     return parser
 
 
@@ -59,6 +79,7 @@ def switch(
     python: str = sys.executable,
     resolve: Callable[[pins.Pin, Mapping[str, str]], Path | None] = default_resolve,
     shadowed: Callable[[], tuple[str, str, str] | None] = shadowed_install,
+    verbose: bool = False,
 ) -> int:
     """``pin <name>``: install the pin into this environment with pip (never through a shell), then run the doctor.
 
@@ -76,7 +97,8 @@ def switch(
             return code
     package_root = str(Path(__file__).resolve().parent.parent)
     env = {**environ, "PYTHONPATH": os.pathsep.join(filter(None, (package_root, environ.get("PYTHONPATH"))))}
-    doctor = run([python, "-m", "mcore_compat", "doctor"], check=False, env=env).returncode
+    doctor_command = [python, "-m", "mcore_compat", "doctor", *(["--verbose"] if verbose else [])]
+    doctor = run(doctor_command, check=False, env=env).returncode
     if doctor == 1:
         print(f"mcore-compat pin: installed {pin.name!r}, but nothing runs on it (see the doctor)", file=sys.stderr)
     if doctor != 0:
@@ -91,7 +113,7 @@ def switch(
     return 0
 
 
-def pin_main(action: str) -> int:
+def pin_main(action: str, verbose: bool = False) -> int:
     """``mcore-compat pin``; errors print one line and exit with status 2."""
     try:
         table = pins.load()
@@ -110,7 +132,7 @@ def pin_main(action: str) -> int:
             caps = detect()
             print(doctor.format_status(doctor.status_report(caps, table, doctor.installed_version(caps))))
             return 0
-        return switch(action, table)
+        return switch(action, table, verbose=verbose)
     except pins.PinError as exc:
         print(f"mcore-compat pin: {exc}", file=sys.stderr)
         return 2
@@ -137,9 +159,10 @@ def _no_torch(exc: ImportError, as_json: bool) -> int:
     return 1
 
 
-def _add_plan(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _add_plan(commands: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
     plan_cmd = commands.add_parser(
         "plan",
+        parents=[common],
         help="simulate one step's packing for a layout (no processes): microbatches, padding, DP balance",
         description="Plan one global batch with the runtime's own host-side planning code and compare schedulers.",
     )
@@ -150,7 +173,13 @@ def _add_plan(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     plan_cmd.add_argument("--samples", type=int, default=1024, help="with --synthetic: global batch size [1024]")
     plan_cmd.add_argument("--seed", type=int, default=0, help="with --synthetic: random seed [0]")
     plan_cmd.add_argument("--layout", required=True, metavar="TP,CP,DP", help="parallel sizes, e.g. 1,2,8")
-    plan_cmd.add_argument("--max-seqlen-per-dp-cp-rank", type=int, required=True, metavar="M")
+    plan_cmd.add_argument(
+        "--max-seqlen-per-dp-cp-rank",
+        type=int,
+        required=True,
+        metavar="M",
+        help="padded tokens one DP x CP rank holds per microbatch (the config's max_seqlen_per_dp_cp_rank)",
+    )
     plan_cmd.add_argument(
         "--scheduler",
         action="append",
@@ -158,17 +187,29 @@ def _add_plan(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         help="dp_balanced, balanced or default_dynamic_cp; repeat to compare [dp_balanced and balanced]",
     )
     plan_cmd.add_argument("--sequence-parallel", action="store_true", help="pad lengths for sequence parallelism")
-    plan_cmd.add_argument("--min-dynamic-context-parallel-size", type=int, default=1, metavar="N")
+    plan_cmd.add_argument(
+        "--min-dynamic-context-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="with default_dynamic_cp: the smallest CP group a bin may get, a power of two [1]",
+    )
     plan_cmd.add_argument("--plot", metavar="FILE.png", help="draw microbatch x DP-rank loads (matplotlib)")
     plan_cmd.add_argument(
         "--json",
         action="store_true",
-        help="one JSON object; 'microbatches' and 'bins' (bins[i][d]: 0-based input lines) are the first scheduler's",
+        help="one JSON object; 'microbatches' and 'bins' (bins[i][d]: 0-based input lines) are those of the "
+        "first scheduler that planned",
     )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    with library_noise_hidden(not args.verbose):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "doctor":
         try:
             from mcore_compat import doctor
@@ -178,12 +219,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _no_torch(exc, as_json=args.json)
         return doctor.run(as_json=args.json, verbose=args.verbose)
     if args.command == "pin":
-        return pin_main(args.action)
+        return pin_main(args.action, verbose=args.verbose)
     if args.command == "demo":
         started = time.perf_counter()
         from mcore_compat import demo
 
-        return demo.run(started=started)
+        return demo.run(started=started, verbose=args.verbose)
     if args.command == "plan":
         from mcore_compat import plan
 

@@ -121,7 +121,7 @@ def _dynamic_note() -> str | None:
     return reason
 
 
-def run(*, timeout: float = 300.0, started: float | None = None) -> int:
+def run(*, timeout: float = 300.0, started: float | None = None, verbose: bool = False) -> int:
     """Print the doctor report, then run the demo step; exit status 0 only when it ran and checked clean.
 
     ``started`` (a ``time.perf_counter()`` taken before torch was imported) times this process's own start,
@@ -143,9 +143,7 @@ def run(*, timeout: float = 300.0, started: float | None = None) -> int:
         flush=True,
     )
     try:
-        result, *dynamic = run_cases(
-            cases, timeout=timeout, env={"PYTHONWARNINGS": "ignore"}, probe=False, progress=None
-        )
+        result, *dynamic = run_cases(cases, timeout=timeout, probe=False, progress=None, quiet=not verbose)
     except LaunchError as exc:
         print(f"demo: the packing step failed:\n{exc}")
         return 1

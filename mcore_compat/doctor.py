@@ -189,7 +189,11 @@ def format_report(data: Mapping[str, Any], verbose: bool = False) -> str:
     """The doctor's text: the verdict, one line per scheduler and mode, then where it stands."""
     runs = [row for row in data["schedulers"] if row["runnable"]]
     verdict = "available" if data["runnable"] else "NOT available"
-    lines = [f"global-batch packing: {verdict} ({len(runs)} of {len(data['schedulers'])} scheduler/mode pairs run)"]
+    later = sum(1 for row in data["schedulers"] if row["needs_model_support"])
+    more = f"; {later} more once packing.enable_dynamic_cp_model_support() has been called" if later else ""
+    lines = [
+        f"global-batch packing: {verdict} ({len(runs)} of {len(data['schedulers'])} scheduler/mode pairs run{more})"
+    ]
     width = max(len(row["scheduler"]) for row in data["schedulers"])
     for row in sorted(data["schedulers"], key=lambda row: not row["runnable"]):
         mode = _mode(row)

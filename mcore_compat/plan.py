@@ -15,9 +15,11 @@ Definitions used throughout (``capacity = max_seqlen_per_dp_cp_rank x CP`` padde
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import random
+import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -50,6 +52,10 @@ DYNAMIC_SCHEDULERS: tuple[str, ...] = ("default_dynamic_cp",)
 
 class PlanInputError(ValueError):
     """Bad input to ``plan``: one sentence naming the line or option and the fix (exit status 2)."""
+
+
+class SchedulerCannotPlan(PlanInputError):
+    """One scheduler cannot plan this batch (the others may): reported under its name."""
 
 
 # -- synthetic length distributions --------------------------------------------------------------
@@ -100,9 +106,14 @@ def read_lengths_file(path: str | Path) -> list[int]:
     """One positive integer per line (blank lines are errors too: each line is one sample)."""
     lengths = []
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise PlanInputError(f"--lengths {path}: cannot read it ({exc.strerror}); pass a readable file") from None
+    except UnicodeDecodeError:
+        raise PlanInputError(
+            f"--lengths {path}: not a text file; write one raw sample length per line (for a Megatron indexed "
+            "dataset's .bin/.idx pass --megatron-dataset PREFIX)"
+        ) from None
     for number, line in enumerate(text.splitlines(), start=1):
         value = line.strip()
         try:
@@ -138,8 +149,20 @@ def read_megatron_dataset(prefix: str) -> list[int]:
             f"--megatron-dataset needs megatron-core's IndexedDataset reader, which failed to import ({exc}); "
             "install a megatron-core pin or pass --lengths"
         ) from None
-    dataset = IndexedDataset(prefix)
-    return [int(n) for n in dataset.sequence_lengths]
+    saved_hook = sys.unraisablehook
+    sys.unraisablehook = lambda unraisable: None  # the reader's __del__ fails again on what it could not open
+    try:
+        dataset = IndexedDataset(prefix)  # held while its lengths are read: they view its memory map
+        return [int(n) for n in dataset.sequence_lengths]
+    except Exception as exc:  # noqa: BLE001 - whatever the reader raises on a file it cannot parse
+        failure = f"{type(exc).__name__}: {exc}"
+    finally:
+        gc.collect()
+        sys.unraisablehook = saved_hook
+    raise PlanInputError(
+        f"--megatron-dataset {prefix}: Megatron-Core's reader cannot read {prefix}.idx ({failure}); pass the "
+        "prefix of a complete indexed dataset written by Megatron's preprocessing"
+    )
 
 
 # -- planning -------------------------------------------------------------------------------------
@@ -222,7 +245,7 @@ def _check_lengths(raw: Sequence[int], padded: Sequence[int], capacity: int, lay
     for index, (length, aligned) in enumerate(zip(raw, padded, strict=True)):
         if aligned > capacity:
             need = -(-aligned // layout.cp)
-            raise PlanInputError(
+            raise SchedulerCannotPlan(
                 f"{source} line {index + 1} (sample {index}): length {length} (padded to {aligned}) exceeds the "
                 f"bin capacity {capacity} (max_seqlen_per_dp_cp_rank x CP); raise --max-seqlen-per-dp-cp-rank "
                 f"to at least {need} or truncate the sample"
@@ -242,6 +265,7 @@ def plan_lengths(
 ) -> tuple[list[int], list[ScheduleReport]]:
     """Pad ``raw`` to the runtime's alignment and plan it with each scheduler; returns (padded, reports).
 
+    A scheduler that cannot plan this batch gets a report whose ``unavailable`` says why; the others still plan.
     ``first_bin_donates`` False plans ``dp_balanced`` as Megatron-Core ``main`` runs it (it never splits its
     first bin, so some batches fail there that the portable backend packs)."""
     if max_seqlen_per_dp_cp_rank < 1:
@@ -249,41 +273,49 @@ def plan_lengths(
             f"--max-seqlen-per-dp-cp-rank {max_seqlen_per_dp_cp_rank}: use the positive number of padded tokens "
             "one DP x CP rank holds per microbatch"
         )
-    multiple = alignment(layout, sequence_parallel)
-    padded = [-(-n // multiple) * multiple for n in raw]
-    capacity = max_seqlen_per_dp_cp_rank * layout.cp
     for name in schedulers:
         if name not in PLANNERS and name not in DYNAMIC_SCHEDULERS:
             raise PlanInputError(
                 f"--scheduler {name!r} is not a scheduler plan knows; use one of "
                 f"{', '.join((*SCHEDULERS, *DYNAMIC_SCHEDULERS))}"
             )
-    if any(name in PLANNERS for name in schedulers):
-        _check_lengths(raw, padded, capacity, layout, source)
+    multiple = alignment(layout, sequence_parallel)
+    padded = [-(-n // multiple) * multiple for n in raw]
     reports = []
     for name in schedulers:
-        if name in DYNAMIC_SCHEDULERS:
-            reports.append(
-                _plan_dynamic(
-                    name,
-                    raw,
-                    layout,
-                    max_seqlen_per_dp_cp_rank,
-                    sequence_parallel,
-                    min_dynamic_context_parallel_size,
-                    source,
-                )
-            )
-            continue
-        planner = PLANNERS[name]
-        rule = {"first_bin_donates": first_bin_donates} if planner is plan_dp_balanced else {}
         try:
-            plan = planner(padded, capacity=capacity, dp_size=layout.dp, **rule)
-        except BadSampleError as exc:
-            pin = " (as this pin's Megatron-Core runs it)" if rule and not first_bin_donates else ""
-            raise PlanInputError(f"--scheduler {name}{pin}: {exc}") from None
-        reports.append(_report(name, plan.bins, layout.dp, raw, padded))
+            if name in DYNAMIC_SCHEDULERS:
+                dynamic = (sequence_parallel, min_dynamic_context_parallel_size, source)
+                report = _plan_dynamic(name, raw, layout, max_seqlen_per_dp_cp_rank, *dynamic)
+            else:
+                static = (max_seqlen_per_dp_cp_rank, first_bin_donates, source)
+                report = _plan_static(name, raw, padded, layout, *static)
+        except SchedulerCannotPlan as exc:
+            report = ScheduleReport(scheduler=name, unavailable=str(exc))
+        reports.append(report)
     return padded, reports
+
+
+def _plan_static(
+    name: str,
+    raw: Sequence[int],
+    padded: Sequence[int],
+    layout: Layout,
+    max_seqlen: int,
+    first_bin_donates: bool,
+    source: str,
+) -> ScheduleReport:
+    """A static-CP scheduler through the portable backend's own planner: bins per DP rank."""
+    capacity = max_seqlen * layout.cp
+    _check_lengths(raw, padded, capacity, layout, source)
+    planner = PLANNERS[name]
+    rule = {"first_bin_donates": first_bin_donates} if planner is plan_dp_balanced else {}
+    try:
+        plan = planner(padded, capacity=capacity, dp_size=layout.dp, **rule)
+    except BadSampleError as exc:
+        pin = " (as this pin's Megatron-Core runs it)" if rule and not first_bin_donates else ""
+        raise SchedulerCannotPlan(f"{name}{pin}: {exc}") from None
+    return _report(name, plan.bins, layout.dp, raw, padded)
 
 
 def _plan_dynamic(
@@ -300,19 +332,19 @@ def _plan_dynamic(
 
     pool = layout.dp * layout.cp
     if pool & (pool - 1):
-        raise PlanInputError(
-            f"--scheduler {name} with --layout {layout.tp},{layout.cp},{layout.dp}: DP x CP = {pool} must be "
+        raise SchedulerCannotPlan(
+            f"{name} with --layout {layout.tp},{layout.cp},{layout.dp}: DP x CP = {pool} must be "
             "a power of two for dynamic context parallelism; change DP or CP"
         )
     if min_size < 1 or min_size > pool or min_size & (min_size - 1):
-        raise PlanInputError(
+        raise SchedulerCannotPlan(
             f"--min-dynamic-context-parallel-size {min_size}: use a power of two between 1 and DP x CP = {pool}"
         )
     multiple = 2 * pool * (layout.tp if sequence_parallel else 1)
     padded = [-(-n // multiple) * multiple for n in raw]
     for index, (length, aligned) in enumerate(zip(raw, padded, strict=True)):
         if aligned > max_seqlen * pool:
-            raise PlanInputError(
+            raise SchedulerCannotPlan(
                 f"{source} line {index + 1} (sample {index}): length {length} (padded to {aligned}) exceeds "
                 f"max_seqlen_per_dp_cp_rank x DP x CP = {max_seqlen * pool}, the largest dynamic-CP bin; raise "
                 f"--max-seqlen-per-dp-cp-rank to at least {-(-aligned // pool)} or truncate the sample"
@@ -390,7 +422,7 @@ def format_reports(
     for report in reports:
         lines.append("")
         if report.unavailable is not None:
-            lines.append(f"{report.scheduler}: {report.unavailable}")
+            lines.append(f"{report.scheduler}: cannot plan this batch: {report.unavailable}")
             continue
         own = report.padded if report.padded is not None else padded
         slots = report.microbatches * layout.dp * capacity
@@ -444,19 +476,38 @@ def _installed_first_bin_rule() -> bool:
     return not facts.native_scheduler or facts.dp_balanced_first_bin_donates is not False
 
 
-def main(args: Any) -> int:
-    """Run ``plan`` for parsed CLI arguments (see :mod:`mcore_compat.cli`); 0 on success, 2 on bad input."""
-    import sys
+def _read(args: Any, capacity: int) -> tuple[list[int], str]:
+    """The raw lengths the arguments name, and how to name their source in messages."""
+    if args.lengths is not None:
+        return read_lengths_file(args.lengths), str(args.lengths)
+    if args.megatron_dataset is not None:
+        return read_megatron_dataset(args.megatron_dataset), f"{args.megatron_dataset}.idx sequence list"
+    return synthetic_lengths(args.synthetic, args.samples, args.seed, capacity), "synthetic lengths"
 
+
+def _failures(reports: Sequence[ScheduleReport]) -> list[str]:
+    """One line per distinct reason some scheduler could not plan, naming the schedulers it stopped."""
+    by_reason: dict[str, list[str]] = {}
+    for report in reports:
+        if report.unavailable is not None:
+            by_reason.setdefault(report.unavailable, []).append(report.scheduler)
+    return [
+        f"mcore-compat plan: {reason}"
+        if reason.startswith(names[0])
+        else f"mcore-compat plan: {', '.join(names)}: {reason}"
+        for reason, names in by_reason.items()
+    ]
+
+
+def main(args: Any) -> int:
+    """Run ``plan`` for parsed CLI arguments (see :mod:`mcore_compat.cli`).
+
+    Exit status 0 when every scheduler planned the batch, 1 when some could not (each named, the others printed),
+    2 on bad input or when none could."""
     try:
         layout = Layout.parse(args.layout)
         capacity = args.max_seqlen_per_dp_cp_rank * layout.cp
-        if args.lengths is not None:
-            raw, source = read_lengths_file(args.lengths), str(args.lengths)
-        elif args.megatron_dataset is not None:
-            raw, source = read_megatron_dataset(args.megatron_dataset), f"{args.megatron_dataset}.idx sequence list"
-        else:
-            raw, source = synthetic_lengths(args.synthetic, args.samples, args.seed, capacity), "synthetic lengths"
+        raw, source = _read(args, capacity)
         padded, reports = plan_lengths(
             raw,
             layout=layout,
@@ -467,24 +518,27 @@ def main(args: Any) -> int:
             source=source,
             first_bin_donates=_installed_first_bin_rule(),
         )
+        if all(r.unavailable is not None for r in reports):
+            print("\n".join(_failures(reports)), file=sys.stderr)
+            return 2
         if args.plot:
             plot(reports, args.plot, capacity)
     except PlanInputError as exc:
         print(f"mcore-compat plan: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        first = next((r for r in reports if r.unavailable is None), None)
+        first = next(r for r in reports if r.unavailable is None)
         data: dict[str, Any] = {
             "samples": len(raw),
             "layout": {"tp": layout.tp, "cp": layout.cp, "dp": layout.dp},
             "capacity": capacity,
             "padded": padded,
             "lower_bound": lower_bound(padded, capacity, layout.dp),
-            "microbatches": first.microbatches if first else None,
-            "bins": first.bins if first else None,
+            "microbatches": first.microbatches,
+            "bins": first.bins,
             "schedulers": [r.as_dict() for r in reports],
         }
         print(json.dumps(data))
     else:
         print(format_reports(reports, raw=raw, padded=padded, layout=layout, capacity=capacity))
-    return 0
+    return 1 if any(r.unavailable is not None for r in reports) else 0

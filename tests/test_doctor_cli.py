@@ -109,6 +109,46 @@ def test_a_checkout_that_fails_to_import_is_named_not_the_installed_distribution
     assert f"megatron-core (version unknown, at {core.resolve()})" in text
 
 
+IMPORT_FAILURES = {
+    "unknown": ("from . import fused\n", "fused.py", "raise RuntimeError('no\\nluck')\n", None),
+    "cuda extension": (
+        "from . import fused\n",
+        "fused.py",
+        "import torch.utils.cpp_extension as ext\next._get_cuda_arch_flags()\n",
+        "likely cause: Megatron-Core builds a CUDA extension while it is imported, and this torch sees no GPU",
+    ),
+    "triton": ("from . import fused\n", "fused.py", "import triton\n", "likely cause: megatron-core 0.18 and later"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(IMPORT_FAILURES))
+def test_an_import_failure_is_one_line_naming_what_raised_where(tmp_path: Path, case: str) -> None:
+    """What raised, the file and line, the Megatron-Core module being imported, and the known cause's advice.
+
+    The CUDA-extension case is what megatron-core 0.15.3 does under a CUDA torch without a GPU: torch's
+    ``_get_cuda_arch_flags`` finds no device and fails with an IndexError (the CPU torch here fails the same way)."""
+    init, name, body, advice = IMPORT_FAILURES[case]
+    core = tmp_path / "megatron" / "core"
+    core.mkdir(parents=True)
+    (tmp_path / "megatron" / "__init__.py").write_text("")
+    (core / "__init__.py").write_text(init)
+    (core / name).write_text(body)
+    blocker = tmp_path / "triton.py"  # shadows any installed triton
+    blocker.write_text("raise ModuleNotFoundError(\"No module named 'triton'\", name='triton')\n")
+    _, report = doctor_report(tmp_path)
+    error = report["capabilities"]["import_error"]
+    assert "\n" not in error
+    if advice is None:
+        assert error == f"RuntimeError: no luck (raised at {core / name}:1)"
+    else:
+        line = body.count("\n")
+        assert f"; while importing {core / name}:{line}; {advice}" in error
+    if case == "cuda extension":
+        assert error.startswith("IndexError: list index out of range (raised at torch/utils/cpp_extension.py:")
+    text = run_doctor(tmp_path, as_json=False).stdout
+    assert error in text
+
+
 @pytest.mark.skipif(MCORE_SRC is None, reason=f"MCORE_SRC is unset: {CLONE_HINT}")
 def test_an_installed_commit_is_not_credited_to_the_checkout_that_shadows_it(tmp_path: Path) -> None:
     dist = tmp_path / "megatron_core-0.20.0.dist-info"
@@ -168,3 +208,16 @@ def test_version_is_the_projects() -> None:
             continue
         out = subprocess.run([*command, "--version"], capture_output=True, text=True, cwd=PROJECT, timeout=120)
         assert (out.returncode, out.stdout) == (0, f"mcore-compat {PROJECT_VERSION}\n"), out.stderr
+
+
+def test_the_summary_counts_what_runs_once_the_model_support_call_is_made() -> None:
+    """The first line counts the pairs that run now and, apart, those listed as running after the call."""
+    _, report = doctor_report()
+    rows = report["schedulers"]
+    runs, later = sum(row["runnable"] for row in rows), sum(row["needs_model_support"] for row in rows)
+    first = run_doctor(as_json=False).stdout.splitlines()[0]
+    assert f"({runs} of {len(rows)} scheduler/mode pairs run" in first
+    if later:
+        assert first.endswith(f"; {later} more once packing.enable_dynamic_cp_model_support() has been called)")
+    else:
+        assert first.endswith(" pairs run)")

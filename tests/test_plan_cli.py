@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from mcore_compat import cli
-from mcore_compat.plan import Layout, PlanInputError, alignment, plan_lengths
+from mcore_compat.plan import Layout, alignment, plan_lengths
 from packing.global_batch import alignment_multiple
 
 
@@ -152,14 +152,57 @@ def test_dp_balanced_planned_with_the_pins_first_bin_rule(donates, microbatches)
     """Three short samples fit in one bin; DP 2 needs two: dev (and the portable backend) split the first bin,
     main never does, and its scheduler fails the step."""
     kwargs = {"layout": Layout(1, 1, 2), "max_seqlen_per_dp_cp_rank": 64, "schedulers": ["dp_balanced"]}
+    _, (report,) = plan_lengths([8, 8, 8], first_bin_donates=donates, **kwargs)
     if microbatches is not None:
-        _, (report,) = plan_lengths([8, 8, 8], first_bin_donates=donates, **kwargs)
-        assert report.microbatches == microbatches
+        assert report.microbatches == microbatches and report.unavailable is None
         return
-    with pytest.raises(PlanInputError) as err:
-        plan_lengths([8, 8, 8], first_bin_donates=donates, **kwargs)
-    assert "dp_balanced (as this pin's Megatron-Core runs it)" in str(err.value)
-    assert "use more samples per step" in str(err.value)
+    assert report.unavailable is not None
+    assert report.unavailable.startswith("dp_balanced (as this pin's Megatron-Core runs it)")
+    assert "use more samples per step" in report.unavailable
+
+
+def test_a_scheduler_that_cannot_plan_is_named_while_the_others_print(tmp_path, capsys):
+    """A sample too long for a static-CP bin fits a dynamic-CP one: the static schedulers say so under their
+    names, default_dynamic_cp plans, exit status 1."""
+    path = tmp_path / "lengths.txt"
+    path.write_text("10\n200\n3000\n")
+    names = ["dp_balanced", "default_dynamic_cp", "balanced"]
+    argv = ["--lengths", str(path), "--layout", "1,2,2", "--max-seqlen-per-dp-cp-rank", "1024"]
+    status, out, err = _plan(capsys, *argv, *(a for n in names for a in ("--scheduler", n)))
+    assert status == 1 and err == ""
+    for name in ("dp_balanced", "balanced"):
+        assert f"{name}: cannot plan this batch: {path} line 3 (sample 2): length 3000" in out
+    assert "default_dynamic_cp:\n  microbatches per step: 1" in out
+    status, out, _ = _plan(capsys, *argv, "--scheduler", "balanced", "--scheduler", "default_dynamic_cp", "--json")
+    data = json.loads(out)
+    assert status == 1 and data["schedulers"][0]["scheduler"] == "balanced" and data["schedulers"][0]["unavailable"]
+    assert data["microbatches"] == data["schedulers"][1]["microbatches"] == 1
+
+
+def test_a_file_that_is_not_text_is_one_line(tmp_path, capsys):
+    path = tmp_path / "lengths.bin"
+    path.write_bytes(bytes(range(256)) * 4)
+    status, out, err = _plan(capsys, "--lengths", str(path), "--layout", "1,1,2", "--max-seqlen-per-dp-cp-rank", "64")
+    assert (status, out) == (2, "")
+    assert (
+        err == f"mcore-compat plan: --lengths {path}: not a text file; write one raw sample length per line (for a "
+        "Megatron indexed dataset's .bin/.idx pass --megatron-dataset PREFIX)\n"
+    )
+
+
+def test_an_indexed_dataset_the_reader_cannot_parse_is_one_line(tmp_path):
+    """Through a fresh interpreter: the reader's failing ``__del__`` would print a traceback at teardown."""
+    pytest.importorskip("megatron.core.datasets.indexed_dataset")
+    prefix = tmp_path / "broken"
+    for suffix in (".bin", ".idx"):
+        (tmp_path / f"broken{suffix}").write_bytes(b"\x00\xff not an index" * 8)
+    argv = ["--megatron-dataset", str(prefix), "--layout", "1,1,2", "--max-seqlen-per-dp-cp-rank", "64"]
+    result = subprocess.run(
+        [sys.executable, "-m", "mcore_compat", "plan", *argv], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith(f"mcore-compat plan: --megatron-dataset {prefix}: Megatron-Core's reader cannot")
+    assert result.stderr.count("\n") == 1, result.stderr
 
 
 def test_alignment_is_the_runtime_rule():

@@ -24,6 +24,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from mcore_compat.quiet import hide_library_noise
+
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
 """Environment of every rank: one thread each, gloo on the loopback interface."""
 POLL_S = 0.25
@@ -58,9 +60,12 @@ def _bootstrap(
     args: tuple[Any, ...],
     sys_path: tuple[str, ...],
     pg_timeout_s: float,
-    bytecode_cache: str | None,
+    bytecode_cache: str,
+    quiet: bool,
 ) -> None:
     sys.path[:0] = [p for p in sys_path if p not in sys.path]
+    if quiet:
+        hide_library_noise()
     if bytecode_cache:
         # spawn passes -B on when the parent runs without writing bytecode; source trees such as a
         # Megatron-LM checkout then recompile on every start. Cache their bytecode outside the tree.
@@ -159,8 +164,9 @@ def launch(
     timeout: float = 180.0,
     sys_path: Sequence[str] = (),
     pg_timeout: float | None = None,
-    bytecode_cache: str | None = DEFAULT_BYTECODE_CACHE,
+    bytecode_cache: str | None = None,
     env: Mapping[str, str] | None = None,
+    quiet: bool = True,
 ) -> list[Any]:
     """Run ``target(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the results by rank.
 
@@ -168,8 +174,9 @@ def launch(
     first on each rank's ``sys.path`` and ``PYTHONPATH`` (e.g. a Megatron-LM checkout). Raises
     :class:`LaunchError` when a rank fails or ``timeout`` seconds pass; collectives time out after
     ``pg_timeout`` seconds (default: ``timeout``) so a rank blocked on a dead peer also ends.
-    Ranks keep the bytecode of what they import under ``bytecode_cache`` (None: Python's default);
-    ``env`` adds environment variables (e.g. ``PYTHONWARNINGS``).
+    Ranks keep the bytecode of what they import under ``bytecode_cache`` (None: :data:`DEFAULT_BYTECODE_CACHE`,
+    ``""``: Python's default); ``env`` adds environment variables (e.g. ``PYTHONWARNINGS``). With ``quiet`` the
+    ranks hide the libraries' import warnings (:func:`mcore_compat.quiet.hide_library_noise`).
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size}: launch at least one rank")
@@ -179,7 +186,17 @@ def launch(
     processes = [
         context.Process(
             target=_bootstrap,
-            args=(rank, world_size, str(workdir), target, args, tuple(sys_path), pg_timeout or timeout, bytecode_cache),
+            args=(
+                rank,
+                world_size,
+                str(workdir),
+                target,
+                args,
+                tuple(sys_path),
+                pg_timeout or timeout,
+                DEFAULT_BYTECODE_CACHE if bytecode_cache is None else bytecode_cache,
+                quiet,
+            ),
             name=f"mcore-compat-rank{rank}",
             daemon=True,
         )

@@ -345,6 +345,7 @@ def run_cases(
     probe: bool = True,
     start_seconds: float | None = None,
     progress: Callable[[str], None] | None = _stderr,
+    quiet: bool = True,
 ) -> list[CaseRun]:
     """Run ``cases`` (one world size) in one gloo process group; returns what every rank recorded.
 
@@ -353,7 +354,8 @@ def run_cases(
     process first asks the probe about every case; cases it refuses are answered from it, and when it
     refuses them all no rank is started. ``progress`` (default: stderr) gets one line before each
     start, with the expected wait (from the probe process's start, or ``start_seconds``: how long one
-    process takes to import torch and Megatron-Core here).
+    process takes to import torch and Megatron-Core here). ``quiet`` hides the libraries' import warnings on the
+    ranks.
     """
     sizes = {case.layout.world_size for case in cases}
     if len(sizes) != 1:
@@ -367,7 +369,9 @@ def run_cases(
             "and Megatron-Core first)"
         )
         began = time.perf_counter()
-        answers = launch(_probe_worker, 1, args=(list(cases), setup), timeout=timeout, sys_path=sys_path, env=env)[0]
+        answers = launch(
+            _probe_worker, 1, args=(list(cases), setup), timeout=timeout, sys_path=sys_path, env=env, quiet=quiet
+        )[0]
         start_seconds = start_seconds or time.perf_counter() - began
         refused = {index: answer for index, answer in enumerate(answers) if answer is not None}
     runnable = [case for index, case in enumerate(cases) if index not in refused]
@@ -384,7 +388,9 @@ def run_cases(
             f"mcore_compat.testing: starting {world_size} gloo ranks for {len(runnable)} case(s){note}; each "
             f"imports torch and Megatron-Core: {wait}"
         )
-        per_rank = launch(_worker, world_size, args=(runnable, setup), timeout=timeout, sys_path=sys_path, env=env)
+        per_rank = launch(
+            _worker, world_size, args=(runnable, setup), timeout=timeout, sys_path=sys_path, env=env, quiet=quiet
+        )
     ran = iter(range(len(runnable)))
     runs = []
     for index, case in enumerate(cases):

@@ -1,0 +1,40 @@
+"""The known noise of the libraries mcore-compat's commands import, hidden unless ``--verbose`` asks for it.
+
+Importing Megatron-Core warns about every optional dependency it lacks (Transformer Engine, Apex, ...) and its rerun
+state machine logs its own implicit start. A command's user asked about packing, not about those: the CLI, the demo
+and the ranks of :func:`mcore_compat.testing.launch` hide them. A trainer importing :mod:`packing` is never touched.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+__all__ = ["LIBRARIES", "hide_library_noise", "library_noise_hidden"]
+
+LIBRARIES: tuple[str, ...] = ("megatron", "transformer_engine", "apex", "modelopt", "nvidia_resiliency_ext")
+"""Top-level packages whose warnings and log records below ERROR the commands hide."""
+
+
+def hide_library_noise() -> None:
+    """Ignore warnings raised from :data:`LIBRARIES` and their log records below ERROR, in this process."""
+    module = r"({})(\..*)?$".format("|".join(LIBRARIES))
+    warnings.filterwarnings("ignore", module=module)
+    for name in LIBRARIES:
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+@contextmanager
+def library_noise_hidden(hide: bool = True) -> Iterator[None]:
+    """:func:`hide_library_noise` for the duration (nothing when ``hide`` is False); then as before."""
+    levels = {name: logging.getLogger(name).level for name in LIBRARIES}
+    with warnings.catch_warnings():
+        if hide:
+            hide_library_noise()
+        try:
+            yield
+        finally:
+            for name, level in levels.items():
+                logging.getLogger(name).setLevel(level)
