@@ -6,7 +6,7 @@
                                      (pins.toml suite = "smoke": the release assertions and one step per scheduler)
     nox -s wheel                     build the wheel, install it with megatron-core 0.16.1, check it from outside
     nox -s test-mcore-history        real steps on every generation's first commit and both tips
-    nox -t matrix -j auto            lint + tests + wheel + every pin session + history, concurrently (README, CI)
+    nox -t matrix -j auto            lint, tests, wheel, demo, every pin session and history, concurrently (README, CI)
 
 Where shared/megatron-lm/ lies beside the project (CI's machines), the main and dev sessions install its snapshots
 and the history session reads its trees: there a pin or the history that cannot run fails instead of skipping.
@@ -20,6 +20,7 @@ one session at a time: delete it to rebuild it from scratch.
 from __future__ import annotations
 
 import fcntl
+import functools
 import importlib.util
 import os
 import re
@@ -27,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -109,8 +111,40 @@ PY311 = PYTHONS["3.11"]
 
 
 def _pip(session: nox.Session, python: Path, *args: str) -> None:
-    if args:
-        session.run(str(python), "-m", "pip", "install", *args, external=True)
+    rest = _torch_first(session, python, args)
+    if rest:
+        session.run(str(python), "-m", "pip", "install", *rest, external=True)
+
+
+CPU_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
+"""PyTorch's index of CPU builds: a 192 MB download for Linux x86_64, where the package index's default build
+downloads about 3 GB of CUDA libraries."""
+
+
+@functools.cache
+def _cpu_index_reachable() -> bool:
+    try:
+        with urllib.request.urlopen(f"{CPU_TORCH_INDEX}/torch/", timeout=10):
+            return True
+    except OSError:
+        return False
+
+
+def _torch_first(session: nox.Session, python: Path | None, args: tuple[str, ...]) -> tuple[str, ...]:
+    """Install a pinned torch among ``args`` from PyTorch's CPU index where it is reachable (Linux), and return the
+    arguments left; elsewhere return them all, for the configured index (which may hold a CPU build itself)."""
+    pinned = [arg for arg in args if re.fullmatch(r"torch==[0-9.]+", arg)]
+    if not pinned or not sys.platform.startswith("linux"):
+        return args
+    if not _cpu_index_reachable():
+        session.log(f"{CPU_TORCH_INDEX} is not reachable: {pinned[0]} comes from the configured package index")
+        return args
+    command = ("-m", "pip", "install", "--index-url", CPU_TORCH_INDEX, *pinned)
+    if python is None:
+        session.install("--index-url", CPU_TORCH_INDEX, *pinned)
+    else:
+        session.run(str(python), *command, external=True)
+    return tuple(arg for arg in args if arg not in pinned)
 
 
 SMOKE = ("tests/test_release_pin.py", "tests/test_smoke.py")
@@ -290,11 +324,13 @@ def _install_lower_bounds(session: nox.Session) -> None:
     for req in needs:
         first_by_name.setdefault(re.match(r"[A-Za-z0-9._-]+", req)[0].lower(), req)
     first_by_name.pop("megatron-core", None)
-    session.install(*first_by_name.values())
+    rest = _torch_first(session, None, tuple(first_by_name.values()))
+    if rest:
+        session.install(*rest)
     session.install("--no-deps", "-e", str(ROOT))
 
 
-@nox.session(python=PY311, default=False)
+@nox.session(python=PY311, tags=[MATRIX_TAG], allow_parallel=True, default=False)
 def demo(session: nox.Session) -> None:
     """Install a Megatron-Core pin ($MCORE_PIN, default core_r0.16) and this project; doctor + a CPU packing step."""
     pin = TABLE.get(os.environ.get("MCORE_PIN", DEMO_PIN))

@@ -23,6 +23,7 @@ from mcore_compat import adapter, detect, rules
 from mcore_compat.adapters import DYNAMIC_CP_SCHEDULERS
 from mcore_compat.errors import BadSampleError, PackingConfigError, PackingError, UnsupportedPinError
 from mcore_compat.model_support import enable_dynamic_cp_model_support, model_support_applied
+from mcore_compat.process_groups import process_groups
 from mcore_compat.results import PackedBatch, WrapResult
 from packing._bridge import (  # Bridge's seams, re-exported where callers patch them
     _DEV_PIN_HINT,  # noqa: F401
@@ -55,6 +56,7 @@ __all__ = [
     "global_batch_packing_enabled",
     "model_support_applied",
     "probe_global_batch_packing_support",
+    "process_groups",
     "wrap_data_iterator_for_global_batch_packing",
 ]
 

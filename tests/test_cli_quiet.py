@@ -42,7 +42,7 @@ def library_noise() -> list[str]:
 
 
 @pytest.mark.parametrize("name", sorted(COMMANDS))
-def test_no_library_warnings_by_default(name: str, library_noise: list[str]) -> None:
+def test_no_library_warnings_by_default(name: str) -> None:
     done = _run(*COMMANDS[name])
     assert _noise(done.stdout + done.stderr) == [], done.stderr[-2000:]
 

@@ -39,6 +39,7 @@ PACKING_ALL = [
     "global_batch_packing_enabled",
     "model_support_applied",
     "probe_global_batch_packing_support",
+    "process_groups",
     "wrap_data_iterator_for_global_batch_packing",
 ]
 SIGNATURES = {
@@ -56,6 +57,7 @@ SIGNATURES = {
         "(data_iterator: 'Any', model_config: 'PackingModelConfig', *, pg_collection: 'ProcessGroupCollectionLike', "
         "vp_stage: 'int | None') -> 'PackedBatch'"
     ),
+    "process_groups": "() -> 'Any'",
     "finalize_packed_seq_params": ("(packed_seq_params: 'Any', pg_collection: 'ProcessGroupCollectionLike') -> 'Any'"),
     # Megatron-Bridge's private seams, kept with its signatures so code that patches them keeps working.
     "_scheduler_api": "() -> 'SchedulerApi'",

@@ -446,7 +446,7 @@ def test_readme_support_table_lists_exactly_the_pins() -> None:
 
 
 def test_ci_runs_exactly_the_readme_test_command() -> None:
-    block = _readme_section("Quick start").split("```bash\n", 1)[1].split("```", 1)[0]
+    block = _readme_section("Two commands").split("```bash\n", 1)[1].split("```", 1)[0]
     demo, test = block.strip().splitlines()
     assert "-s demo" in demo
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()

@@ -139,7 +139,7 @@ KEEPS_STATIC_CP_GROUP = {
     "G4b": {"moe_aux_loss"},
     **dict.fromkeys(("G5", "G6", "G6b", "G7", "G8"), set()),
 }
-"""The model parts whose code runs a dynamic-CP bin on the static CP group, per generation (README, Model support
+"""The model parts whose code runs a dynamic-CP bin on the static CP group, per generation (docs/user-guide.md;
 for dynamic CP: on dev MTP and Mamba follow the bin's group from G4, MLA from G4b, MoE aux loss from G5; the
 releases and main follow with none)."""
 _REFUSALS = """

@@ -114,7 +114,7 @@ CROSS_CHECKED = [
 def test_thd_rules_match_a_dev_tree() -> None:
     src = os.environ.get("MCORE_SRC")
     if not src:
-        pytest.skip("MCORE_SRC is unset: set it to a Megatron-LM dev checkout (see README, Testing)")
+        pytest.skip("MCORE_SRC is unset: set it to a Megatron-LM dev checkout (see docs/testing.md)")
     if not os.path.isfile(os.path.join(src, "megatron", "core", "packed_seq_params.py")):
         pytest.skip(f"MCORE_SRC={src} is not a Megatron-LM checkout")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}

@@ -15,7 +15,7 @@ from mcore_compat.testing.patches import cpu_patches
 
 
 def _originals() -> tuple[object, ...]:
-    return (torch.cuda.current_device, torch.cuda.synchronize, dist.barrier, "cuda" in vars(torch.Tensor))
+    return (torch.cuda.current_device, torch.cuda.synchronize, dist.barrier, torch.zeros, "cuda" in vars(torch.Tensor))
 
 
 def test_nothing_is_active_outside_the_context():
@@ -29,7 +29,7 @@ def test_nothing_is_active_outside_the_context():
 
 @pytest.mark.parametrize(
     ("dynamic_cp", "patched"),
-    [(False, {"P2", "P3"}), (True, {"P2", "P3", "P4", "P5"})],
+    [(False, {"P2", "P3", "P7"}), (True, {"P2", "P3", "P4", "P5", "P7"})],
 )
 def test_dynamic_cp_patches_only_with_dynamic_cp(dynamic_cp: bool, patched: set[str]):
     sync = torch.cuda.synchronize
@@ -37,6 +37,16 @@ def test_dynamic_cp_patches_only_with_dynamic_cp(dynamic_cp: bool, patched: set[
         assert {name.split()[0] for name in applied} - {"P1", "P6"} == patched
         assert (torch.cuda.synchronize is not sync) == dynamic_cp
     assert torch.cuda.synchronize is sync
+
+
+def test_zeros_asked_on_cuda_land_on_the_cpu():
+    """Megatron-Core's schedules count tokens in ``torch.zeros([], dtype=torch.int, device="cuda")``."""
+    with pytest.raises((AssertionError, RuntimeError)):
+        torch.zeros([], dtype=torch.int, device="cuda")
+    with cpu_patches():
+        counter = torch.zeros([], dtype=torch.int, device="cuda")
+        other = torch.zeros(2, device=torch.device("cuda", 0))
+    assert counter.device.type == other.device.type == "cpu" and counter.dtype == torch.int
 
 
 def test_barrier_drops_device_ids(monkeypatch: pytest.MonkeyPatch):

@@ -1,4 +1,4 @@
-"""The CPU patches that let Megatron-Core's packing scheduler run on gloo without a GPU (P1-P6).
+"""The CPU patches that let Megatron-Core's packing scheduler and schedules run on gloo without a GPU (P1-P7).
 
 :func:`cpu_patches` applies only the patches a run needs and restores everything on exit; nothing
 here is active unless a caller enters it.
@@ -11,6 +11,7 @@ here is active unless a caller enters it.
 | P4 | ``torch.cuda.synchronize()`` is a no-op | dynamic CP (group warm-up) |
 | P5 | ``torch.distributed.barrier`` drops ``device_ids`` | dynamic CP (group warm-up) |
 | P6 | pure-torch THD zigzag partition in place of Transformer Engine's | CP slicing without TE |
+| P7 | ``torch.zeros(..., device="cuda")`` allocates on the CPU (the schedules' token counter) | always |
 """
 
 from __future__ import annotations
@@ -89,6 +90,18 @@ def _stub_attribute(attr: str) -> type:
     if attr.startswith("__") and attr.endswith("__"):
         raise AttributeError(attr)
     return type(attr, (_TritonStub,), {})
+
+
+def _zeros_on_cpu(zeros: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``torch.zeros`` that puts a ``device="cuda"`` allocation (Megatron-Core's schedules count tokens in one)
+    on the CPU."""
+
+    def cpu_zeros(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if str(kwargs.get("device", "")).startswith("cuda"):
+            kwargs["device"] = "cpu"
+        return zeros(*args, **kwargs)
+
+    return cpu_zeros
 
 
 def _triton_stand_in_needed() -> bool:
@@ -183,7 +196,8 @@ def cpu_patches(
             _apply_triton_stub(patcher)
         patcher.setattr(torch.cuda, "current_device", _cpu_device)
         patcher.setattr(torch.Tensor, "cuda", _same_tensor)
-        patcher.applied += ["P2 current_device -> cpu", "P3 Tensor.cuda no-op"]
+        patcher.setattr(torch, "zeros", _zeros_on_cpu(torch.zeros))
+        patcher.applied += ["P2 current_device -> cpu", "P3 Tensor.cuda no-op", "P7 zeros on cuda -> cpu"]
         if dynamic_cp:
             patcher.setattr(torch.cuda, "synchronize", _no_sync)
             patcher.setattr(dist, "barrier", _barrier_without_device_ids(dist.barrier))

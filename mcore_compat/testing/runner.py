@@ -24,12 +24,12 @@ import torch
 import torch.distributed as dist
 
 from mcore_compat.generations import SCHEDULER_MODULE, WRAP_FUNCTION
+from mcore_compat.process_groups import process_groups as mpu_pg_collection
 from mcore_compat.testing.checks import check_steps
 from mcore_compat.testing.launcher import launch
 from mcore_compat.testing.patches import cpu_patches
 from mcore_compat.testing.records import Case, CaseResult, MicrobatchRecord, RankStep
 
-REQUIRED_PGS = ["tp", "pp", "cp", "dp", "dp_cp"]
 MCORE_SRC_ENV = "MCORE_SRC"
 
 
@@ -116,31 +116,6 @@ def model_parallel(case: Case) -> Iterator[None]:
         yield
     finally:
         importlib.import_module("megatron.core.parallel_state").destroy_model_parallel()
-
-
-def mpu_pg_collection() -> Any:
-    """The model's ``ProcessGroupCollection`` from ``parallel_state``, with the five groups packing reads.
-
-    megatron-core 0.13-0.15 predate it (their ``ModelCommProcessGroups`` has no DP groups); there a
-    namespace with the same five groups stands in. Where ``use_mpu_process_groups`` leaves a group unset
-    (dev commits of late 2025 had no getter for ``dp`` and ``dp_cp`` in it), ``parallel_state`` fills it in.
-    """
-    groups = importlib.import_module("megatron.core.process_groups_config")
-    parallel_state = importlib.import_module("megatron.core.parallel_state")
-    getters: dict[str, Callable[[], Any]] = {
-        "tp": parallel_state.get_tensor_model_parallel_group,
-        "pp": parallel_state.get_pipeline_model_parallel_group,
-        "cp": parallel_state.get_context_parallel_group,
-        "dp": parallel_state.get_data_parallel_group,
-        "dp_cp": functools.partial(parallel_state.get_data_parallel_group, with_context_parallel=True),
-    }
-    if not hasattr(groups, "ProcessGroupCollection"):
-        return SimpleNamespace(**{name: getter() for name, getter in getters.items()})
-    collection = groups.ProcessGroupCollection.use_mpu_process_groups(required_pgs=REQUIRED_PGS)
-    for name, getter in getters.items():
-        if not hasattr(collection, name):
-            setattr(collection, name, getter())
-    return collection
 
 
 def fetch_returns_padding_mask(backend: str, fetch_arity: int | None) -> bool:
@@ -425,7 +400,6 @@ def _case_run(case: Case, result: CaseResult, skipped: str | None, steps: list[l
 __all__ = [
     "CaseRun",
     "MCORE_SRC_ENV",
-    "REQUIRED_PGS",
     "contiguous_split",
     "locate_mcore",
     "model_config",
