@@ -8,6 +8,7 @@ plan of the same global batch.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from mcore_compat import doctor
 from mcore_compat.adapters import adapter
@@ -119,6 +120,20 @@ def _dynamic_note() -> str | None:
     if reason is None or (data_probe is not None and data_probe(DYNAMIC_DEMO_CASE.scheduler, dynamic_cp=True) is None):
         return None
     return reason
+
+
+def _waiting(expected: float) -> Callable[[float, int], None]:
+    """A progress line each time the launcher reports: what the demo waits for, and for how long so far."""
+    world = DEMO_CASE.layout.world_size
+
+    def say(elapsed: float, joined: int) -> None:
+        if joined < world:
+            what = f"{joined} of {world} ranks have imported torch and Megatron-Core (expected about {expected:.0f} s)"
+        else:
+            what = f"all {world} ranks started; running the packing steps and checking them"
+        print(f"demo: {elapsed:.0f} s: {what}", flush=True)
+
+    return say
 
 
 def run(*, timeout: float = 300.0, started: float | None = None, verbose: bool = False) -> int:

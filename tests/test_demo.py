@@ -59,3 +59,13 @@ def test_demo_command_runs_a_packing_step():
     assert "all end-to-end checks passed" in done.stdout
     noise = [line for line in (done.stdout + done.stderr).splitlines() if "Warning:" in line or "Rerun State" in line]
     assert noise == [], "the demo and its ranks hide the libraries' import warnings"
+
+
+def test_the_wait_says_what_it_waits_for(capsys: pytest.CaptureFixture[str]):
+    say = demo._waiting(8.0)
+    say(5.2, 1)
+    say(10.1, 4)
+    assert capsys.readouterr().out.splitlines() == [
+        "demo: 5 s: 1 of 4 ranks have imported torch and Megatron-Core (expected about 8 s)",
+        "demo: 10 s: all 4 ranks started; running the packing steps and checking them",
+    ]

@@ -53,3 +53,17 @@ def test_a_hung_rank_times_out_with_stacks():
         launch(one_rank_hangs, 2, timeout=5)
     assert "Stacks:" in str(info.value)
     assert time.monotonic() - start < 20
+
+
+def joined_then_waits(rank: int, world_size: int, seconds: float) -> None:
+    time.sleep(seconds)
+    dist.barrier()
+
+
+def test_waiting_reports_how_many_ranks_have_joined():
+    """Every WAITING_EVERY_S seconds while the ranks run: the time so far and the ranks in the group."""
+    reports: list[tuple[float, int]] = []
+    launch(joined_then_waits, 2, args=(7.0,), timeout=120, waiting=lambda s, n: reports.append((s, n)))
+    assert reports, "the ranks ran over 7 s and nothing was reported"
+    assert [round(s) for s, _ in reports] == [5 * (i + 1) for i in range(len(reports))]
+    assert all(0 <= n <= 2 for _, n in reports) and reports[-1][1] == 2

@@ -29,6 +29,8 @@ from mcore_compat.quiet import hide_library_noise
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
 """Environment of every rank: one thread each, gloo on the loopback interface."""
 POLL_S = 0.25
+WAITING_EVERY_S = 5.0
+"""How often :func:`launch` reports to its ``waiting`` callback."""
 DEFAULT_BYTECODE_CACHE = os.path.join(
     os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "mcore-compat", "pycache"
 )
@@ -86,6 +88,7 @@ def _bootstrap(
             world_size=world_size,
             timeout=timedelta(seconds=pg_timeout_s),
         )
+        Path(f"{base}.joined").touch()  # imports done, in the group: what launch(waiting=...) reports
         result = target(rank, world_size, *args)
     except BaseException:
         # Report before anything else: tearing the group down first would fail the peers sooner.
@@ -167,6 +170,7 @@ def launch(
     bytecode_cache: str | None = None,
     env: Mapping[str, str] | None = None,
     quiet: bool = True,
+    waiting: Callable[[float, int], None] | None = None,
 ) -> list[Any]:
     """Run ``target(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the results by rank.
 
@@ -176,7 +180,9 @@ def launch(
     ``pg_timeout`` seconds (default: ``timeout``) so a rank blocked on a dead peer also ends.
     Ranks keep the bytecode of what they import under ``bytecode_cache`` (None: :data:`DEFAULT_BYTECODE_CACHE`,
     ``""``: Python's default); ``env`` adds environment variables (e.g. ``PYTHONWARNINGS``). With ``quiet`` the
-    ranks hide the libraries' import warnings (:func:`mcore_compat.quiet.hide_library_noise`).
+    ranks hide the libraries' import warnings (:func:`mcore_compat.quiet.hide_library_noise`). ``waiting`` is
+    called every :data:`WAITING_EVERY_S` seconds until the ranks are done, with the seconds since the start and how
+    many ranks have imported what they need and joined the process group.
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size}: launch at least one rank")
@@ -206,9 +212,13 @@ def launch(
         with _environment({**WORKER_ENV, "PYTHONPATH": pythonpath, **(env or {})}):
             for process in processes:
                 process.start()
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        deadline, report = started + timeout, started + WAITING_EVERY_S
         results = [workdir / f"rank{rank}.result" for rank in range(world_size)]
         while not all(path.exists() for path in results):
+            if waiting is not None and time.monotonic() >= report:
+                report += WAITING_EVERY_S
+                waiting(time.monotonic() - started, len(list(workdir.glob("rank*.joined"))))
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise LaunchError(_timeout_report(workdir, processes, timeout))

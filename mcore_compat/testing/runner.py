@@ -321,6 +321,7 @@ def run_cases(
     start_seconds: float | None = None,
     progress: Callable[[str], None] | None = _stderr,
     quiet: bool = True,
+    waiting: Callable[[float, int], None] | None = None,
 ) -> list[CaseRun]:
     """Run ``cases`` (one world size) in one gloo process group; returns what every rank recorded.
 
@@ -330,7 +331,7 @@ def run_cases(
     refuses them all no rank is started. ``progress`` (default: stderr) gets one line before each
     start, with the expected wait (from the probe process's start, or ``start_seconds``: how long one
     process takes to import torch and Megatron-Core here). ``quiet`` hides the libraries' import warnings on the
-    ranks.
+    ranks; ``waiting`` follows the ranks' start (see :func:`~mcore_compat.testing.launcher.launch`).
     """
     sizes = {case.layout.world_size for case in cases}
     if len(sizes) != 1:
@@ -364,7 +365,14 @@ def run_cases(
             f"imports torch and Megatron-Core: {wait}"
         )
         per_rank = launch(
-            _worker, world_size, args=(runnable, setup), timeout=timeout, sys_path=sys_path, env=env, quiet=quiet
+            _worker,
+            world_size,
+            args=(runnable, setup),
+            timeout=timeout,
+            sys_path=sys_path,
+            env=env,
+            quiet=quiet,
+            waiting=waiting,
         )
     ran = iter(range(len(runnable)))
     runs = []
