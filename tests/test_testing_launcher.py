@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -67,3 +69,9 @@ def test_waiting_reports_how_many_ranks_have_joined():
     assert reports, "the ranks ran over 7 s and nothing was reported"
     assert [round(s) for s, _ in reports] == [5 * (i + 1) for i in range(len(reports))]
     assert all(0 <= n <= 2 for _, n in reports) and reports[-1][1] == 2
+
+
+def test_the_signature_names_no_path_of_this_machine():
+    """``help(launch)`` shows its defaults: the bytecode cache is resolved at call time, not written into them."""
+    shown = str(inspect.signature(launch))
+    assert str(Path.home()) not in shown and "pycache" not in shown, shown
