@@ -17,6 +17,7 @@ from typing import Any
 import mcore_compat
 from mcore_compat import pins
 from mcore_compat.capabilities import shadowed_install
+from mcore_compat.cost import DEFAULT_MODEL, MODEL_HELP
 from mcore_compat.gitinfo import git_head, git_reachable
 from mcore_compat.quiet import library_noise_hidden
 
@@ -193,6 +194,16 @@ def _add_plan(commands: argparse._SubParsersAction[argparse.ArgumentParser], com
         default=1,
         metavar="N",
         help="with default_dynamic_cp: the smallest CP group a bin may get, a power of two [1]",
+    )
+    plan_cmd.add_argument(
+        "--model", default=DEFAULT_MODEL, metavar="MODEL", help=f"the cost model's sizes: {MODEL_HELP}"
+    )
+    plan_cmd.add_argument(
+        "--pipeline-stages",
+        type=int,
+        default=1,
+        metavar="P",
+        help="with P > 1 microbatches synchronise across ranks (as under dynamic CP) in the modeled step time [1]",
     )
     plan_cmd.add_argument("--plot", metavar="FILE.png", help="draw microbatch x DP-rank loads (matplotlib)")
     plan_cmd.add_argument(

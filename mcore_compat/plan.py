@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mcore_compat.cost import DEFAULT_MODEL, MODELS, CostModel, CostModelError, parse_model
 from mcore_compat.errors import BadSampleError
 from mcore_compat.portable import SCHEDULERS
 from mcore_compat.portable.schedule import PLANNERS, plan_dp_balanced
@@ -220,6 +221,13 @@ class ScheduleReport:
     ``bins``, ``loads`` (per-rank tokens: the bin's over its group size) are over DP x CP ranks."""
     padded: list[int] | None = None
     """Dynamic CP only: the lengths padded to its alignment, ``2 x DP x CP`` (times TP with SP)."""
+    modeled_time: float = 0.0
+    """The step's modeled compute time (:mod:`mcore_compat.cost`, FLOPs per rank): the busiest rank's total, or with
+    pipeline stages and under dynamic CP (microbatches synchronise) the sum over microbatches of the busiest rank's."""
+    modeled_bound: float = 0.0
+    """No plan is faster: the larger of the total cost over all ranks and the costliest sample on its largest group."""
+    rank_spread: float = 1.0
+    """The busiest rank's modeled total over the mean rank's."""
 
     def as_dict(self) -> dict[str, Any]:
         if self.unavailable is not None:
@@ -232,6 +240,9 @@ class ScheduleReport:
             "dp_efficiency": self.dp_efficiency,
             "dp_imbalance": self.dp_imbalance,
             "attention_imbalance": self.attention_imbalance,
+            "modeled_time": self.modeled_time,
+            "modeled_bound": self.modeled_bound,
+            "rank_spread": self.rank_spread,
             **({"cp_sizes": self.cp_sizes, "padded": self.padded} if self.cp_sizes is not None else {}),
         }
 
@@ -262,8 +273,13 @@ def plan_lengths(
     min_dynamic_context_parallel_size: int = 1,
     source: str = "input",
     first_bin_donates: bool = True,
+    cost: CostModel | None = None,
+    pipeline_stages: int = 1,
 ) -> tuple[list[int], list[ScheduleReport]]:
     """Pad ``raw`` to the runtime's alignment and plan it with each scheduler; returns (padded, reports).
+
+    Each plan's modeled step time uses ``cost`` (default: :data:`mcore_compat.cost.DEFAULT_MODEL`'s); with
+    ``pipeline_stages`` above 1 microbatches synchronise, as they always do under dynamic CP.
 
     A scheduler that cannot plan this batch gets a report whose ``unavailable`` says why; the others still plan.
     ``first_bin_donates`` False plans ``dp_balanced`` as Megatron-Core ``main`` runs it (it never splits its
@@ -292,8 +308,28 @@ def plan_lengths(
                 report = _plan_static(name, raw, padded, layout, *static)
         except SchedulerCannotPlan as exc:
             report = ScheduleReport(scheduler=name, unavailable=str(exc))
+        else:
+            _model(report, padded, layout, cost or CostModel.of(MODELS[DEFAULT_MODEL]), pipeline_stages > 1)
         reports.append(report)
     return padded, reports
+
+
+def _model(report: ScheduleReport, padded: Sequence[int], layout: Layout, cost: CostModel, synchronised: bool) -> None:
+    """Set the report's modeled step time, its lower bound and the ranks' spread."""
+    lengths = report.padded if report.padded is not None else padded
+    sample = [cost.cost(n) for n in lengths]
+    sizes = report.cp_sizes or [[layout.cp] * len(row) for row in report.bins]
+    per_rank = [
+        [sum(sample[s] for s in members) / size for members, size in zip(row, size_row, strict=True)]
+        for row, size_row in zip(report.bins, sizes, strict=True)
+    ]
+    totals = [sum(column) for column in zip(*per_rank, strict=True)]
+    synchronised = synchronised or report.cp_sizes is not None
+    report.modeled_time = sum(max(row) for row in per_rank) if synchronised else max(totals)
+    largest = layout.dp * layout.cp if report.cp_sizes is not None else layout.cp
+    ranks = len(totals) * (1 if report.cp_sizes is not None else layout.cp)
+    report.modeled_bound = max(sum(sample) / ranks, max(sample) / largest)
+    report.rank_spread = max(totals) * len(totals) / sum(totals) if sum(totals) else 1.0
 
 
 def _plan_static(
@@ -411,13 +447,15 @@ def format_reports(
     padded: Sequence[int],
     layout: Layout,
     capacity: int,
+    model: tuple[str, CostModel] = (DEFAULT_MODEL, CostModel.of(MODELS[DEFAULT_MODEL])),
 ) -> str:
-    """The human-readable comparison."""
+    """The human-readable comparison (``model``: the cost model's name and figures, as planned)."""
     bound = lower_bound(padded, capacity, layout.dp)
     lines = [
         f"{len(raw)} samples, {sum(raw)} tokens ({sum(padded)} padded to the alignment, "
         f"+{sum(padded) - sum(raw)}); layout TP={layout.tp} CP={layout.cp} DP={layout.dp}, bin capacity {capacity}",
         f"lower bound: {bound} microbatches per DP rank (ceil(ceil({sum(padded)} / {capacity}) / {layout.dp}))",
+        f"cost model ({model[0]}): {model[1].describe()}",
     ]
     for report in reports:
         lines.append("")
@@ -434,6 +472,9 @@ def format_reports(
             f"  DP efficiency: {report.dp_efficiency:.3f}",
             f"  imbalance per microbatch over {ranks}s (busiest / mean): {_spread(report.dp_imbalance)}",
             f"  attention-work imbalance per microbatch (sum L^2): {_spread(report.attention_imbalance)}",
+            f"  modeled step time: {report.modeled_time:.4g} FLOPs per rank, "
+            f"{report.modeled_time / (report.modeled_bound or 1.0):.3f} x its lower bound "
+            f"{report.modeled_bound:.4g}; busiest {ranks} / mean: {report.rank_spread:.3f}",
         ]
         if report.cp_sizes is not None:
             ranks_on = Counter(size for row in report.cp_sizes for size in row)
@@ -508,6 +549,7 @@ def main(args: Any) -> int:
         layout = Layout.parse(args.layout)
         capacity = args.max_seqlen_per_dp_cp_rank * layout.cp
         raw, source = _read(args, capacity)
+        model = (args.model, CostModel.of(parse_model(args.model)))
         padded, reports = plan_lengths(
             raw,
             layout=layout,
@@ -517,13 +559,15 @@ def main(args: Any) -> int:
             min_dynamic_context_parallel_size=args.min_dynamic_context_parallel_size,
             source=source,
             first_bin_donates=_installed_first_bin_rule(),
+            cost=model[1],
+            pipeline_stages=args.pipeline_stages,
         )
         if all(r.unavailable is not None for r in reports):
             print("\n".join(_failures(reports)), file=sys.stderr)
             return 2
         if args.plot:
             plot(reports, args.plot, capacity)
-    except PlanInputError as exc:
+    except (PlanInputError, CostModelError) as exc:
         print(f"mcore-compat plan: {exc}", file=sys.stderr)
         return 2
     if args.json:
@@ -532,6 +576,7 @@ def main(args: Any) -> int:
             "samples": len(raw),
             "layout": {"tp": layout.tp, "cp": layout.cp, "dp": layout.dp},
             "capacity": capacity,
+            "cost_model": {"model": model[0], "linear": model[1].linear, "quadratic": model[1].quadratic},
             "padded": padded,
             "lower_bound": lower_bound(padded, capacity, layout.dp),
             "microbatches": first.microbatches,
@@ -540,5 +585,5 @@ def main(args: Any) -> int:
         }
         print(json.dumps(data))
     else:
-        print(format_reports(reports, raw=raw, padded=padded, layout=layout, capacity=capacity))
+        print(format_reports(reports, raw=raw, padded=padded, layout=layout, capacity=capacity, model=model))
     return 1 if any(r.unavailable is not None for r in reports) else 0
