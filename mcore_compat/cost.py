@@ -64,6 +64,16 @@ class CostModel:
         return cls(FORWARD_AND_BACKWARD * per_token, FORWARD_AND_BACKWARD * sizes.num_layers * 2 * q)
 
     @classmethod
+    def from_config(cls, model_config: Any) -> CostModel | None:
+        """From a model config's sizes (:meth:`ModelSizes.from_config`), or None where they do not read as sizes."""
+        try:
+            sizes = ModelSizes.from_config(model_config)
+        except Exception:  # noqa: BLE001 - a stand-in config without sizes, or fields that raise: plan by tokens
+            return None
+        positive = all(v > 0 for v in (sizes.hidden_size, sizes.num_layers, sizes.num_attention_heads))
+        return cls.of(sizes) if positive else None
+
+    @classmethod
     def tokens(cls) -> CostModel:
         """Token count alone (``b = 0``): what a token-balancing scheduler balances."""
         return cls(1.0, 0.0)

@@ -297,6 +297,8 @@ def plan_lengths(
             )
     multiple = alignment(layout, sequence_parallel)
     padded = [-(-n // multiple) * multiple for n in raw]
+    model = cost or CostModel.of(MODELS[DEFAULT_MODEL])
+    by_compute = {"cost": model.cost, "synchronised": pipeline_stages > 1}
     reports = []
     for name in schedulers:
         try:
@@ -304,12 +306,12 @@ def plan_lengths(
                 dynamic = (sequence_parallel, min_dynamic_context_parallel_size, source)
                 report = _plan_dynamic(name, raw, layout, max_seqlen_per_dp_cp_rank, *dynamic)
             else:
-                static = (max_seqlen_per_dp_cp_rank, first_bin_donates, source)
+                static = (max_seqlen_per_dp_cp_rank, first_bin_donates, source, by_compute)
                 report = _plan_static(name, raw, padded, layout, *static)
         except SchedulerCannotPlan as exc:
             report = ScheduleReport(scheduler=name, unavailable=str(exc))
         else:
-            _model(report, padded, layout, cost or CostModel.of(MODELS[DEFAULT_MODEL]), pipeline_stages > 1)
+            _model(report, padded, layout, model, pipeline_stages > 1)
         reports.append(report)
     return padded, reports
 
@@ -340,12 +342,14 @@ def _plan_static(
     max_seqlen: int,
     first_bin_donates: bool,
     source: str,
+    by_compute: dict[str, Any],
 ) -> ScheduleReport:
-    """A static-CP scheduler through the portable backend's own planner: bins per DP rank."""
+    """A static-CP scheduler through the portable backend's own planner: bins per DP rank (``balanced`` by the
+    modeled compute of ``by_compute``)."""
     capacity = max_seqlen * layout.cp
     _check_lengths(raw, padded, capacity, layout, source)
     planner = PLANNERS[name]
-    rule = {"first_bin_donates": first_bin_donates} if planner is plan_dp_balanced else {}
+    rule = {"first_bin_donates": first_bin_donates} if planner is plan_dp_balanced else by_compute
     try:
         plan = planner(padded, capacity=capacity, dp_size=layout.dp, **rule)
     except BadSampleError as exc:

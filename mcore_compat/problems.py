@@ -33,6 +33,16 @@ SAMPLE_KEYS: tuple[str, ...] = (
 )
 """Keys a problem record can name, by index."""
 
+COST_FIELDS: tuple[str, ...] = (
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_layers",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "gated_linear_unit",
+)
+"""The model sizes ``balanced`` derives each sample's modeled compute from (:mod:`mcore_compat.cost`)."""
 SETTINGS_FIELDS: tuple[str, ...] = (
     "max_seqlen_per_dp_cp_rank",
     "sequence_packing_scheduler",
@@ -48,9 +58,10 @@ SETTINGS_FIELDS: tuple[str, ...] = (
     "pad_packed_seq_by_appending_dummy_seq",
     "mtp_num_layers",
     "pipeline_model_parallel_layout",
+    *COST_FIELDS,
 )
 """The model-config fields a packing step reads, compared between ranks in the agreement (by index): the MTP
-layout decides which pipeline stages load data."""
+layout decides which pipeline stages load data, the model's sizes how ``balanced`` weighs samples."""
 _NUMERIC_SETTINGS = frozenset(
     {
         "max_seqlen_per_dp_cp_rank",
@@ -58,6 +69,7 @@ _NUMERIC_SETTINGS = frozenset(
         "virtual_pipeline_model_parallel_size",
         "microbatch_group_size_per_vp_stage",
         "thd_max_packed_sequences",
+        *COST_FIELDS[:-1],
     }
 )
 """Settings whose word is the value itself, so a message can show it (the others are a digest or a flag)."""

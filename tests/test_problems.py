@@ -14,8 +14,9 @@ from mcore_compat.problems import CONFIG_PROBLEMS, MESSAGES, Problem, describe, 
 
 ROOT = Path(__file__).resolve().parents[1]
 PUBLIC = {"BadSampleError", "PackingConfigError", "UnsupportedPinError", "PackingError"}
-TOOL_MODULES = {"cli.py", "pins.py", "plan.py", "doctor.py", "demo.py", "__init__.py"}
-"""Command-line tools, whose errors are reported by the command (PinError, PlanInputError), not by a step."""
+TOOL_MODULES = {"cli.py", "pins.py", "plan.py", "doctor.py", "demo.py", "cost.py", "__init__.py"}
+"""Command-line tools, whose errors are reported by the command (PinError, PlanInputError, CostModelError from
+``plan --model``), not by a step."""
 WORDS = (-(1 << 62), -3, -2, -1, 0, 1, 2, 7, 1 << 40)
 
 

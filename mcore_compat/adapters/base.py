@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 import mcore_compat.rules as rules
 from mcore_compat.capabilities import Capabilities, route_prebuilder
 from mcore_compat.contract import Limits
+from mcore_compat.cost import CostModel
 from mcore_compat.errors import UnsupportedPinError
 from mcore_compat.generations import (
     DYNAMIC_CP_SCHEDULERS,
@@ -60,7 +61,8 @@ class StepSettings:
 
     ``limits`` are what every sequence must meet; ``virtual_stages`` is the number of virtual pipeline stages when
     there are several; ``microbatch_group`` is ``microbatch_group_size_per_vp_stage`` where virtual stages are set;
-    ``min_dynamic_cp_size`` is None for static CP; ``backend`` is who packs ("native" or "portable").
+    ``min_dynamic_cp_size`` is None for static CP; ``backend`` is who packs ("native" or "portable"); ``cost`` is
+    the modeled compute ``balanced`` weighs samples by (None: by tokens, where the config carries no model sizes).
     """
 
     scheduler: str
@@ -72,6 +74,7 @@ class StepSettings:
     max_seqs: int | None
     min_dynamic_cp_size: int | None
     backend: str
+    cost: CostModel | None = None
 
     @classmethod
     def read(cls, model_config: Any, pg: Any, scheduler: str, dynamic_cp: bool, backend: str) -> StepSettings:
@@ -89,6 +92,7 @@ class StepSettings:
             max_seqs=getattr(model_config, "thd_max_packed_sequences", None),
             min_dynamic_cp_size=minimum if dynamic_cp else None,
             backend=backend,
+            cost=CostModel.from_config(model_config) if scheduler == "balanced" else None,
         )
 
 

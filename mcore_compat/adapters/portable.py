@@ -342,6 +342,7 @@ class PortableAdapter(PackingAdapter):
                 dp_size=dp.size(),
                 vpp_group=settings.microbatch_group,
                 max_seqs=settings.max_seqs,
+                **_by_compute(settings, pg),
             )
         except BadSampleError as exc:
             return Step(list(exc.verdict), [])
@@ -563,3 +564,10 @@ __all__ = [
     "SCHEDULER",
     "Step",
 ]
+
+
+def _by_compute(settings: StepSettings, pg: Any) -> dict[str, Any]:
+    """``balanced``'s weighing by modeled compute: microbatches synchronise where there are pipeline stages."""
+    if settings.scheduler != "balanced" or settings.cost is None:
+        return {}
+    return {"cost": settings.cost.cost, "synchronised": pg.pp.size() > 1}

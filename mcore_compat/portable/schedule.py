@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from mcore_compat.errors import BadSampleError
+from mcore_compat.portable.balance import arrange, by_cost
 from mcore_compat.problems import OK, Problem, error_for, ran_out, record
 
 __all__ = [
@@ -193,6 +194,8 @@ def plan_balanced(
     dp_size: int,
     vpp_group: int | None = None,
     max_seqs: int | None = None,
+    cost: Callable[[int], float] | None = None,
+    synchronised: bool = False,
 ) -> BinPlan:
     """Plan one step with the ``balanced`` scheduler; never more bins than :func:`plan_dp_balanced`.
 
@@ -204,6 +207,10 @@ def plan_balanced(
     returned where no smaller-or-equal ``K`` works. Bins are then sorted by load (ties: lowest member) and
     microbatch ``i`` gets bins ``i*dp .. i*dp+dp-1``, so the DP ranks of one microbatch carry similar loads.
     Members of a bin are in sample order.
+
+    With ``cost`` (a sample's modeled compute by its length) the bins and their DP ranks are those of
+    :func:`mcore_compat.portable.balance.by_cost`: the same bin count, never slower as modeled than the token plan;
+    ``synchronised`` (pipeline stages) models microbatches that wait for each other.
     """
     if capacity < 1 or dp_size < 1:
         raise ValueError(f"capacity={capacity} and dp_size={dp_size} must be positive")
@@ -240,9 +247,13 @@ def plan_balanced(
         return reference
     for members in best:
         members.sort()
-    loads = [sum(lengths[s] for s in members) for members in best]
-    ranked = sorted(range(len(best)), key=lambda b: (-loads[b], best[b][0]))
-    return BinPlan(bins=tuple(tuple(best[b]) for b in ranked), dp_size=dp_size)
+    if cost is None:
+        ordered = arrange(best, lengths, dp_size, spread=False)
+    else:
+        ordered = by_cost(
+            best, lengths, cost, capacity=capacity, dp_size=dp_size, max_seqs=max_seqs, synchronised=synchronised
+        )
+    return BinPlan(bins=tuple(tuple(members) for members in ordered), dp_size=dp_size)
 
 
 Planner = Callable[..., BinPlan]

@@ -84,7 +84,21 @@ def model_config(case: Case) -> SimpleNamespace:
         pipeline_model_parallel_layout=None,
         mtp_num_layers=None,
         variable_seq_lengths=True,
+        **MODEL_SIZES,
     )
+
+
+MODEL_SIZES: dict[str, Any] = {
+    "hidden_size": 8,
+    "ffn_hidden_size": 32,
+    "num_layers": 1,
+    "num_attention_heads": 1,
+    "num_query_groups": 1,
+    "kv_channels": 8,
+    "gated_linear_unit": False,
+}
+"""The sizes of :func:`model_config`'s model: ``balanced`` weighs samples by their modeled compute, whose attention
+term equals the dense layers' at 96 tokens, the test samples' scale (:mod:`mcore_compat.cost`)."""
 
 
 def contiguous_split(cu_seqlens_padded: torch.Tensor, total_tokens: int, cp_size: int, cp_rank: int) -> torch.Tensor:
