@@ -559,15 +559,15 @@ def _decode_view(
     return verdict, view
 
 
-__all__ = [
-    "PortableAdapter",
-    "SCHEDULER",
-    "Step",
-]
-
-
 def _by_compute(settings: StepSettings, pg: Any) -> dict[str, Any]:
     """``balanced``'s weighing by modeled compute: microbatches synchronise where there are pipeline stages."""
     if settings.scheduler != "balanced" or settings.cost is None:
         return {}
     return {"cost": settings.cost.cost, "synchronised": pg.pp.size() > 1}
+
+
+__all__ = [
+    "PortableAdapter",
+    "SCHEDULER",
+    "Step",
+]

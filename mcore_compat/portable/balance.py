@@ -12,7 +12,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Sequence
 
-__all__ = ["arrange", "by_cost", "modeled_time"]
+__all__ = ["arrange", "by_cost", "deal_by_cost", "modeled_time"]
 
 Bins = list[list[int]]
 
