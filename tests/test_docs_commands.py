@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import runpy
 import shlex
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -160,3 +162,44 @@ def test_the_readme_quotes_the_plan_it_shows(capsys: pytest.CaptureFixture[str])
     )
     assert quoted in " ".join(readme.split())
     assert balanced["microbatches"] == plan["lower_bound"]
+
+
+COMMAND_WORDS = ("pip ", "git ", "nox ", "python ", "torchrun ", "for ", "scripts/nox.sh", "mcore-compat ")
+INLINE_RUN_BY = {
+    "mcore-compat demo": "tests/test_demo.py",
+    "mcore-compat plan": "tests/test_plan_cli.py",
+    "mcore-compat pin": "tests/test_pins.py",
+    "python benchmarks/<name>.py --help": "tests/test_docs_commands.py::test_every_benchmark_answers_help",
+    "git archive": "tests/real_trees.py (a tarball's name for the snapshots the history session reads)",
+    "python -P": "noxfile.py (how every pin session runs pytest)",
+    "OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 walkthrough.py": "tests/test_readme_walkthrough.py",
+    "python -m mcore_compat plan": "tests/test_plan_cli.py::test_python_dash_m_runs_plan",
+    "mcore-compat pin <name> && train": "tests/test_pins.py (the exit status of a switch where nothing runs)",
+    "mcore-compat pin …": "tests/test_pins.py (scripts/switch_mcore.sh runs it)",
+}
+"""Commands written inline in prose (not in a ```bash block), with the test that runs each."""
+
+
+def test_every_inline_command_is_run_by_a_test() -> None:
+    """A command in running text (`pip ...`, `nox ...`, a loop) is run by a test too, or is written as words."""
+    inline = {}
+    for path in DOCS:
+        text = re.sub(r"```.*?```", "", path.read_text(encoding="utf-8"), flags=re.DOTALL)
+        for span in re.findall(r"`([^`\n]+)`", text):
+            words = re.sub(r"^[A-Z_]+=\S+ ", "", span)
+            if words.startswith(COMMAND_WORDS) and span not in RUN_HERE | BY_SESSION and " " in words.strip():
+                inline.setdefault(span, path.name)
+    assert {span: where for span, where in inline.items() if span not in INLINE_RUN_BY} == {}
+    for test in INLINE_RUN_BY.values():
+        assert (PROJECT / test.split("::")[0].split(" ")[0]).is_file(), test
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (PROJECT / "benchmarks").glob("*.py")))
+def test_every_benchmark_answers_help(script: str, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """``python benchmarks/<name>.py --help``, in this process: usage, exit status 0, nothing run."""
+    monkeypatch.setattr(sys, "argv", [script, "--help"])
+    monkeypatch.syspath_prepend(str(PROJECT / "benchmarks"))
+    with pytest.raises(SystemExit) as done:
+        runpy.run_path(str(PROJECT / "benchmarks" / script), run_name="__main__")
+    assert done.value.code in (0, None)
+    assert "usage:" in capsys.readouterr().out

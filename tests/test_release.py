@@ -35,3 +35,11 @@ def test_the_release_is_tagged_where_the_clone_has_tags() -> None:
     assert tags <= released, f"tags without a CHANGELOG release: {sorted(tags - released)}"
     if tags:
         assert f"v{mcore_compat.__version__}" in tags
+
+
+def test_the_readme_reads_top_to_bottom_in_200_lines() -> None:
+    """Everything beyond the first read lives in docs/, which the README names."""
+    readme = (PROJECT / "README.md").read_text(encoding="utf-8")
+    assert len(readme.splitlines()) <= 200
+    named = set(re.findall(r"`docs/([\w-]+\.md)`", readme))
+    assert named == {p.name for p in (PROJECT / "docs").glob("*.md")}, "README names every page of docs/"
