@@ -12,10 +12,12 @@ from pathlib import Path
 import pytest
 
 from mcore_compat.testing import locate_mcore
+from tests.conftest import elsewhere_than_representative_pins
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTION = "## Trainer walk-through"
 SYS_PATH, NO_MCORE = locate_mcore()
+SKIP = NO_MCORE or elsewhere_than_representative_pins()
 
 
 def walkthrough() -> tuple[str, str]:
@@ -34,7 +36,7 @@ def test_the_walkthrough_is_one_block_with_its_command() -> None:
     assert command.endswith(" walkthrough.py")
 
 
-@pytest.mark.skipif(NO_MCORE is not None, reason=NO_MCORE or "")
+@pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
 def test_the_walkthrough_runs_as_written_and_matches_the_unpacked_loss(tmp_path: Path) -> None:
     code, command = walkthrough()
     (tmp_path / "walkthrough.py").write_text(code, encoding="utf-8")
