@@ -12,24 +12,28 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["LIBRARIES", "hide_library_noise", "library_noise_hidden"]
+__all__ = ["LIBRARIES", "LOGGERS", "hide_library_noise", "library_noise_hidden"]
 
 LIBRARIES: tuple[str, ...] = ("megatron", "transformer_engine", "apex", "modelopt", "nvidia_resiliency_ext")
 """Top-level packages whose warnings and log records below ERROR the commands hide."""
+LOGGERS: tuple[str, ...] = (*LIBRARIES, "torch.utils.cpp_extension")
+"""Loggers the commands quiet below ERROR: the libraries', and torch's extension builder, which Megatron-Core imports
+and which logs "No CUDA runtime is found" under a CUDA build of torch without a GPU."""
 
 
 def hide_library_noise() -> None:
-    """Ignore warnings raised from :data:`LIBRARIES` and their log records below ERROR, in this process."""
+    """Ignore warnings raised from :data:`LIBRARIES` and the records below ERROR of :data:`LOGGERS`, in this
+    process."""
     module = r"({})(\..*)?$".format("|".join(LIBRARIES))
     warnings.filterwarnings("ignore", module=module)
-    for name in LIBRARIES:
+    for name in LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
 @contextmanager
 def library_noise_hidden(hide: bool = True) -> Iterator[None]:
     """:func:`hide_library_noise` for the duration (nothing when ``hide`` is False); then as before."""
-    levels = {name: logging.getLogger(name).level for name in LIBRARIES}
+    levels = {name: logging.getLogger(name).level for name in LOGGERS}
     with warnings.catch_warnings():
         if hide:
             hide_library_noise()

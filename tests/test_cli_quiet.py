@@ -12,8 +12,9 @@ import pytest
 from mcore_compat import cli
 from tests.conftest import PROJECT, elsewhere_than_representative_pins
 
-NOISE = ("Warning:", "Rerun State Machine")
-"""What Megatron-Core's import prints (UserWarning lines, the rerun state machine's implicit start)."""
+NOISE = ("Warning:", "Rerun State Machine", "No CUDA runtime is found")
+"""What Megatron-Core's import prints (UserWarning lines, the rerun state machine's implicit start, torch's extension
+builder under a CUDA build of torch without a GPU)."""
 PLAN = ["plan", "--synthetic", "uniform", "--samples", "64", "--layout", "1,1,2", "--max-seqlen-per-dp-cp-rank", "4096"]
 COMMANDS = {"doctor": ["doctor"], "pin status": ["pin", "status"], "plan": PLAN}
 
