@@ -45,7 +45,7 @@ def _indexed_dataset(cwd: Path) -> None:
 
     (cwd / "data").mkdir()
     builder = indexed.IndexedDatasetBuilder(str(cwd / "data/my_text_document.bin"), dtype=numpy.int32)
-    for length in (5, 300, 17, 1024, 64, 2, 900, 33):
+    for length in (((i * 7919) % 1500) + 1 for i in range(200)):  # enough for 8 DP ranks, also on main's dp_balanced
         builder.add_item(torch.arange(length, dtype=torch.int32))
         builder.end_document()
     builder.finalize(str(cwd / "data/my_text_document.idx"))
