@@ -22,10 +22,13 @@ and which logs "No CUDA runtime is found" under a CUDA build of torch without a 
 
 
 def hide_library_noise() -> None:
-    """Ignore warnings raised from :data:`LIBRARIES` and the records below ERROR of :data:`LOGGERS`, in this
-    process."""
+    """Ignore warnings raised from :data:`LIBRARIES`, torch.distributed's deprecation warnings (Megatron-Core calls
+    functions torch deprecates; this project's own code names none: ``tests/test_no_deprecations.py``) and the
+    records below ERROR of :data:`LOGGERS`, in this process."""
     module = r"({})(\..*)?$".format("|".join(LIBRARIES))
     warnings.filterwarnings("ignore", module=module)
+    for category in (FutureWarning, DeprecationWarning):  # torch.distributed's, for calls Megatron-Core makes
+        warnings.filterwarnings("ignore", category=category, module=r"torch\.distributed(\..*)?$")
     for name in LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
 
