@@ -29,6 +29,7 @@ from typing import Any
 from mcore_compat.cost import DEFAULT_MODEL, MODELS, CostModel, CostModelError, parse_model
 from mcore_compat.errors import BadSampleError
 from mcore_compat.portable import SCHEDULERS
+from mcore_compat.portable.balance import step_time
 from mcore_compat.portable.schedule import PLANNERS, plan_dp_balanced
 
 __all__ = [
@@ -326,8 +327,7 @@ def _model(report: ScheduleReport, padded: Sequence[int], layout: Layout, cost: 
         for row, size_row in zip(report.bins, sizes, strict=True)
     ]
     totals = [sum(column) for column in zip(*per_rank, strict=True)]
-    synchronised = synchronised or report.cp_sizes is not None
-    report.modeled_time = sum(max(row) for row in per_rank) if synchronised else max(totals)
+    report.modeled_time = step_time(per_rank, synchronised or report.cp_sizes is not None)
     largest = layout.dp * layout.cp if report.cp_sizes is not None else layout.cp
     ranks = len(totals) * (1 if report.cp_sizes is not None else layout.cp)
     report.modeled_bound = max(sum(sample) / ranks, max(sample) / largest)

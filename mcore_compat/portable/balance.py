@@ -12,7 +12,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Sequence
 
-__all__ = ["arrange", "by_cost", "deal_by_cost", "modeled_time"]
+__all__ = ["arrange", "by_cost", "deal_by_cost", "modeled_time", "step_time"]
 
 Bins = list[list[int]]
 
@@ -65,13 +65,18 @@ def arrange(bins: Bins, weights: Sequence[float], dp_size: int, spread: bool) ->
     return placed
 
 
-def modeled_time(ordered: Bins, weights: Sequence[float], dp_size: int, synchronised: bool) -> float:
-    """The step's modeled time for bins in microbatch order (bin ``i * dp + d``: microbatch ``i``, DP rank ``d``)."""
-    load = [sum(weights[s] for s in members) for members in ordered]
-    rows = [load[start : start + dp_size] for start in range(0, len(load), dp_size)]
+def step_time(rows: Sequence[Sequence[float]], synchronised: bool) -> float:
+    """The step's time from each microbatch's per-rank loads (``rows[i][r]``): the busiest rank's total, or where
+    microbatches synchronise the sum over microbatches of the busiest rank's load."""
     if synchronised:
         return sum(max(row) for row in rows)
     return max(sum(column) for column in zip(*rows, strict=True))
+
+
+def modeled_time(ordered: Bins, weights: Sequence[float], dp_size: int, synchronised: bool) -> float:
+    """The step's modeled time for bins in microbatch order (bin ``i * dp + d``: microbatch ``i``, DP rank ``d``)."""
+    load = [sum(weights[s] for s in members) for members in ordered]
+    return step_time([load[start : start + dp_size] for start in range(0, len(load), dp_size)], synchronised)
 
 
 def by_cost(
