@@ -4,9 +4,10 @@ Builds ``--samples`` samples as ``packing.global_batch.build_unpacked_sequence_s
 lengths up to ``--max-length`` tokens, padded to a multiple of 8; padding ids ``--pad-id``) and times, fastest of
 ``--repeats``: pulling them from an iterator alone, and pulling and checking them as a step does
 (``mcore_compat.contract.read_step``). It prints the microseconds per sample of each, the checks' own cost (the
-difference) and its ratio to the bound.
+difference) and its ratio to the bound. torch runs on ``--threads`` threads (1: what ``torchrun`` gives each rank of a
+multi-rank job unless ``OMP_NUM_THREADS`` says otherwise).
 
-    python benchmarks/check_cost.py [--samples 256] [--repeats 9] [--pad-id 0]
+    python benchmarks/check_cost.py [--samples 256] [--repeats 9] [--pad-id 0] [--threads 1]
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import random
 import sys
 import timeit
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -47,7 +50,9 @@ def main() -> None:
     parser.add_argument("--max-length", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=9, help="timings of each (the fastest is kept)")
     parser.add_argument("--pad-id", type=int, default=0, help="the padding id (negative ids take the slower check)")
+    parser.add_argument("--threads", type=int, default=1, help="torch's intra-op threads (torchrun's default: 1)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     items = samples(args.samples, args.max_length, args.pad_id)
     limits = Limits(MULTIPLE, 1 << 20)
     tokens = sum(int(item["padded_seq_len"]) for item in items)

@@ -69,7 +69,7 @@ def test_a_step_is_plain_only_when_megatron_core_reads_every_sample_as_it_is(mut
 
 
 def test_sequences_longer_than_the_counting_tensor_are_compared_in_place():
-    length = checks._cpu_counting.numel() + 8
+    length = checks._counting_pattern.size + 8
     sample = {
         "tokens": torch.zeros(length, dtype=torch.int64),
         "labels": torch.zeros(length, dtype=torch.int64),
@@ -84,7 +84,7 @@ def test_sequences_longer_than_the_counting_tensor_are_compared_in_place():
 
 
 def test_padding_longer_than_the_zeros_is_compared_in_place():
-    padding = checks._cpu_zeros.numel() + 8
+    padding = checks._zeros_pattern.size + 8
     length = padding + 2
     sample = {
         "tokens": torch.zeros(length, dtype=torch.int64),
@@ -98,6 +98,34 @@ def test_padding_longer_than_the_zeros_is_compared_in_place():
     sample["loss_mask"][-1] = 1.0
     assert checks._plain_unpacked(sample, Limits()) is None
     assert checks._loss_on_padding(sample["loss_mask"], 2, length) == padding - 1
+
+
+@pytest.mark.parametrize("wrong", [None, "position", "loss"])
+def test_fields_that_view_a_larger_buffer_are_read_at_their_own_offset(wrong, monkeypatch):
+    """Fields that are windows of one buffer (non-zero storage offset, the buffer's other elements wrong for this
+    sample) are compared where they start and no further, alike on both paths."""
+    original, padded, before = 5, 8, 3
+    tokens = torch.arange(before + padded + 4)[before : before + padded]
+    positions = torch.cat([torch.full((before,), 9), torch.arange(padded), torch.full((4,), 9)])[before:-4]
+    mask = torch.cat([torch.ones(before), torch.ones(original), torch.zeros(padded - original), torch.ones(4)])
+    mask = mask[before:-4]
+    if wrong == "position":
+        positions[original - 1] = 0
+    elif wrong == "loss":
+        mask[padded - 1] = 0.5
+    sample = {
+        "tokens": tokens,
+        "labels": tokens.clone(),
+        "loss_mask": mask,
+        "position_ids": positions,
+        "original_seq_len": torch.tensor([original], dtype=torch.int32),
+        "padded_seq_len": torch.tensor([padded], dtype=torch.int32),
+    }
+    one_pass = _outcome([sample])
+    assert (one_pass[0] == OK) == (wrong is None)
+    assert (checks._plain_unpacked(sample, Limits(ALIGN, CAPACITY)) is not None) == (wrong is None)
+    monkeypatch.setattr(checks, "_plain_unpacked", lambda raw, limits: None)
+    assert _outcome([sample]) == one_pass
 
 
 def test_negative_zero_on_padding_is_no_loss_on_either_path(monkeypatch):

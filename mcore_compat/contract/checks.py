@@ -121,18 +121,39 @@ def _length(raw: Mapping[str, Any], key: str, rank: int, index: int) -> tuple[in
     return int(value.item()), OK
 
 
-def _plain_field(value: Any, dtype: torch.dtype, shape: tuple[int]) -> bool:
-    """Whether a per-token field is a plain dense contiguous ``[L]`` tensor of its dtype whose storage holds it
-    (:func:`_holds_elements`, read here without the strides; ``requires_grad`` is the caller's to check, where the
-    dtype is a floating one: an integer tensor cannot require grad)."""
+def _plain_fields(tokens: Any, labels: Any, mask: Any, positions: Any, length: int) -> bool:
+    """Whether the four per-token fields are plain dense contiguous ``[length]`` tensors of their dtypes, whose
+    storage holds them (:func:`_holds_elements`, read here without the strides), none in an autograd graph.
+
+    Written out field by field, attribute reads only: it runs for every sample of every step.
+    """
+    shape = (length,)
     return (
-        type(value) is _TENSOR
-        and value.dtype is dtype
-        and value.shape == shape
-        and value.layout is _STRIDED
-        and not value.is_meta
-        and value.is_contiguous()
-        and value.untyped_storage().nbytes() >= (value.storage_offset() + shape[0]) * value.itemsize
+        type(tokens) is _TENSOR
+        and type(labels) is _TENSOR
+        and type(mask) is _TENSOR
+        and type(positions) is _TENSOR
+        and tokens.dtype is _TOKENS
+        and labels.dtype is _LABELS
+        and mask.dtype is _LOSS_MASK
+        and positions.dtype is _POSITION_IDS
+        and tokens.shape == shape
+        and labels.shape == shape
+        and mask.shape == shape
+        and positions.shape == shape
+        and tokens.layout is _STRIDED
+        and labels.layout is _STRIDED
+        and mask.layout is _STRIDED
+        and positions.layout is _STRIDED
+        and not (tokens.is_meta or labels.is_meta or mask.is_meta or positions.is_meta or mask.requires_grad)
+        and tokens.is_contiguous()
+        and labels.is_contiguous()
+        and mask.is_contiguous()
+        and positions.is_contiguous()
+        and tokens.untyped_storage().nbytes() >= (tokens.storage_offset() + length) * _TOKENS.itemsize
+        and labels.untyped_storage().nbytes() >= (labels.storage_offset() + length) * _LABELS.itemsize
+        and mask.untyped_storage().nbytes() >= (mask.storage_offset() + length) * _LOSS_MASK.itemsize
+        and positions.untyped_storage().nbytes() >= (positions.storage_offset() + length) * _POSITION_IDS.itemsize
     )
 
 
@@ -142,12 +163,12 @@ _TOKEN_CHECKS = tuple((key, dtype, SAMPLE_KEYS.index(key)) for key, dtype in TOK
 def _token_fields(
     raw: Mapping[str, Any], length: int, rank: int, index: int
 ) -> tuple[dict[str, torch.Tensor], list[int]]:
+    tokens, labels, mask, positions = (raw.get(key) for key, _ in TOKEN_FIELDS)
+    if _plain_fields(tokens, labels, mask, positions, length):  # the common case first; the rest names the problem
+        return {key: raw[key] for key, _ in TOKEN_FIELDS}, OK
     fields: dict[str, torch.Tensor] = {}
     for key, dtype, key_index in _TOKEN_CHECKS:
         value: Any = raw.get(key)
-        if _plain_field(value, dtype, (length,)) and not value.requires_grad:
-            fields[key] = value  # the common case first; the checks below name what is wrong
-            continue
         if value is None and key not in raw:
             return fields, record(Problem.MISSING_KEY, rank, index, a=key_index)
         if not isinstance(value, torch.Tensor):
@@ -197,37 +218,50 @@ def _positions(length: int, device: torch.device) -> torch.Tensor:
 
 
 _CPU = torch.device("cpu")
-_cpu_counting = _positions(1 << 16, _CPU)
-"""The CPU counting tensor ``memcmp`` reads (replaced by a longer one when a sequence outgrows it)."""
 
 
-def _equal_in_place(value: torch.Tensor, start: int, reference: torch.Tensor, count: int) -> bool:
-    """Whether ``value[start : start + count]`` holds the bytes of ``reference``'s first ``count`` elements (same
-    dtype), compared in place (``memcmp``: several times faster than torch for short windows, and no copy for long
-    ones) where ``value`` is a contiguous plain CPU tensor whose bytes are its values (no lazy negation, which a
-    ``torch._neg_view`` sets); False where it cannot tell (torch decides then)."""
-    if (
-        _memcmp is None
-        or type(value) is not torch.Tensor
-        or not value.is_cpu
-        or not value.is_contiguous()
-        or value.is_neg()
-    ):
-        return False
-    size = reference.itemsize
-    return not _memcmp(value.data_ptr() + start * size, reference.data_ptr(), count * size)
+class _Pattern:
+    """A CPU tensor that ``memcmp`` compares windows of a field with (counting from 0, or zeros), grown on demand;
+    ``address`` is where its data starts, read once."""
+
+    __slots__ = ("address", "make", "size", "tensor")
+
+    def __init__(self, make: Callable[[int], torch.Tensor], size: int) -> None:
+        self.make = make
+        self.tensor = make(size)
+        self.size, self.address = size, self.tensor.data_ptr()
+
+    def holding(self, count: int) -> int:
+        """The address of at least ``count`` elements of the pattern."""
+        if count > self.size:
+            self.tensor = self.make(count)
+            self.size, self.address = count, self.tensor.data_ptr()
+        return self.address
+
+
+_counting_pattern = _Pattern(lambda size: _positions(size, _CPU), 1 << 16)
+_zeros_pattern = _Pattern(lambda size: torch.zeros(size, dtype=_LOSS_MASK), 1 << 16)
+_POSITION_BYTES, _MASK_BYTES = _POSITION_IDS.itemsize, _LOSS_MASK.itemsize
+
+
+def _in_place(value: torch.Tensor) -> bool:
+    """Whether ``memcmp`` can compare ``value``'s bytes in place: a contiguous plain CPU tensor whose bytes are its
+    values (no lazy negation, which a ``torch._neg_view`` sets). Several times faster than torch for short windows,
+    and no copy for long ones."""
+    return (
+        _memcmp is not None and type(value) is _TENSOR and value.is_cpu and value.is_contiguous() and not value.is_neg()
+    )
 
 
 def _wrong_position(ids: torch.Tensor, start: int, original: int) -> int | None:
     """The first offset at which ``ids[start : start + original]`` (int64) is not ``0 .. original - 1``, or None.
 
-    Compared in place with the counting tensor first (:func:`_equal_in_place`); other devices, strided windows and
+    Compared in place with the counting pattern first (:func:`_in_place`); other devices, strided windows and
     tensor subclasses, and the offset of a mismatch, with torch.
     """
-    global _cpu_counting
-    if _cpu_counting.numel() < original:
-        _cpu_counting = _positions(original, _CPU)
-    if _equal_in_place(ids, start, _cpu_counting, original):
+    if _in_place(ids) and not _memcmp(  # type: ignore[misc]
+        ids.data_ptr() + start * _POSITION_BYTES, _counting_pattern.holding(original), original * _POSITION_BYTES
+    ):
         return None
     positions = ids[start : start + original]
     expected = _positions(original, ids.device)
@@ -236,24 +270,34 @@ def _wrong_position(ids: torch.Tensor, start: int, original: int) -> int | None:
     return int(torch.nonzero(positions != expected)[0, 0])
 
 
-_cpu_zeros = torch.zeros(1 << 16, dtype=_LOSS_MASK)
-"""The CPU zeros ``memcmp`` compares ``loss_mask`` padding with (replaced by a longer one when padding outgrows it)."""
-
-
 def _loss_on_padding(mask: torch.Tensor, start: int, end: int) -> int | None:
     """The first offset from ``start`` at which ``mask[start:end]`` (float32 ``loss_mask`` padding) is not 0, or None.
 
-    Compared in place with zeros first (:func:`_equal_in_place`); -0.0, other devices and strided windows with
+    Compared in place with the zeros pattern first (:func:`_in_place`); -0.0, other devices and strided windows with
     torch."""
-    global _cpu_zeros
     if end <= start:
         return None
-    if _cpu_zeros.numel() < end - start:
-        _cpu_zeros = torch.zeros(end - start, dtype=_LOSS_MASK)
-    if _equal_in_place(mask, start, _cpu_zeros, end - start):
+    count = end - start
+    if _in_place(mask) and not _memcmp(  # type: ignore[misc]
+        mask.data_ptr() + start * _MASK_BYTES, _zeros_pattern.holding(count), count * _MASK_BYTES
+    ):
         return None
     loss = torch.nonzero(mask[start:end])
     return int(loss[0, 0]) if loss.numel() else None
+
+
+def _counts_without_loss(positions: torch.Tensor, mask: torch.Tensor, original: int, padded: int) -> bool:
+    """The plain path's :func:`_wrong_position` and :func:`_loss_on_padding` for plain fields (see
+    :func:`_plain_fields`) on the CPU: True where ``positions`` count from 0 and ``mask`` is 0 on padding, byte for
+    byte; False where it cannot tell (those two decide then)."""
+    if _memcmp is None or not positions.is_cpu or not mask.is_cpu or positions.is_neg() or mask.is_neg():
+        return False
+    if _memcmp(positions.data_ptr(), _counting_pattern.holding(original), original * _POSITION_BYTES):
+        return False
+    count = padded - original
+    return not count or not _memcmp(
+        mask.data_ptr() + original * _MASK_BYTES, _zeros_pattern.holding(count), count * _MASK_BYTES
+    )
 
 
 def _sequence(
@@ -317,7 +361,8 @@ def _plain_unpacked(raw: dict[str, Any], limits: Limits) -> Sample | None:
     is wrong; so this accepts a subset of what it accepts. Written out field by field: it runs for every sample
     of every step.
     """
-    padded_len, original_len = raw["padded_seq_len"], raw.get("original_seq_len", raw["padded_seq_len"])
+    padded_len = raw["padded_seq_len"]
+    original_len = raw.get("original_seq_len", padded_len)
     if not (
         type(padded_len) is _TENSOR
         and type(original_len) is _TENSOR
@@ -327,25 +372,19 @@ def _plain_unpacked(raw: dict[str, Any], limits: Limits) -> Sample | None:
         and original_len.shape == _ONE
     ):
         return None
-    padded, original = int(padded_len.item()), int(original_len.item())
+    padded: int = padded_len.item()  # type: ignore[assignment]  # int32: a Python int
+    original: int = original_len.item()  # type: ignore[assignment]
     if not 1 <= original <= padded or padded % limits.align or (limits.capacity or padded) < padded:
         return None
-    shape = (padded,)
     tokens: Any = raw.get("tokens")
     labels: Any = raw.get("labels")
     mask: Any = raw.get("loss_mask")
     positions: Any = raw.get("position_ids")
-    if not (
-        _plain_field(tokens, _TOKENS, shape)
-        and _plain_field(labels, _LABELS, shape)
-        and _plain_field(positions, _POSITION_IDS, shape)
-        and _plain_field(mask, _LOSS_MASK, shape)
-        and not mask.requires_grad
+    if not _plain_fields(tokens, labels, mask, positions, padded):
+        return None
+    if not _counts_without_loss(positions, mask, original, padded) and (
+        _wrong_position(positions, 0, original) is not None or _loss_on_padding(mask, original, padded) is not None
     ):
-        return None
-    if _wrong_position(positions, 0, original) is not None:
-        return None
-    if original < padded and _loss_on_padding(mask, original, padded) is not None:
         return None
     fields = {"tokens": tokens, "labels": labels, "loss_mask": mask, "position_ids": positions}
     return Sample(fields, original, padded)
@@ -537,8 +576,8 @@ def check_items(items: list[Any], rank: int, limits: Limits) -> tuple[list[Sampl
     """Check pulled items against the contract; returns their sequences, or the first problem (and what a check
     raised, for a sample no check foresaw: it is reported, never raised, so that every rank fails together), and
     whether every sample is plain (:attr:`LocalBatch.plain`)."""
-    raw_samples: list[Any] = []
-    for index, item in enumerate(items):
+    raw_samples: list[Any] = items if all(type(item) is dict for item in items) else []
+    for index, item in enumerate(items if not raw_samples else ()):
         try:
             if isinstance(item, dict):
                 raw_samples.append(item)
