@@ -242,7 +242,8 @@ def _pin_session(pin: pins.Pin) -> None:
 
     def run(session: nox.Session) -> None:
         with _exclusive(session, f"shared-py{pin.python}") if shared else nullcontext():
-            python, source = _install_pin(session, pin)
+            extras = "test,plot" if pin.name == DEMO_PIN else "test"  # one session draws the plan's --plot
+            python, source = _install_pin(session, pin, f"{ROOT}[{extras}]")
             checkout = source if source is None or source.is_dir() else _extracted(session, source)
             env = {"MCORE_COMPAT_EXPECT_PIN": pin.name, "MCORE_SRC": str(checkout) if checkout else None}
             _pytest(session, python, env, ("tests",) if pin.suite == "full" else SMOKE)

@@ -205,7 +205,11 @@ def _add_plan(commands: argparse._SubParsersAction[argparse.ArgumentParser], com
         metavar="P",
         help="with P > 1 microbatches synchronise across ranks (as under dynamic CP) in the modeled step time [1]",
     )
-    plan_cmd.add_argument("--plot", metavar="FILE.png", help="draw microbatch x DP-rank loads (matplotlib)")
+    plan_cmd.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="draw each scheduler's padded tokens and modeled compute per microbatch and rank (matplotlib)",
+    )
     plan_cmd.add_argument(
         "--json",
         action="store_true",

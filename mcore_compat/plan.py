@@ -229,6 +229,8 @@ class ScheduleReport:
     """No plan is faster: the larger of the total cost over all ranks and the costliest sample on its largest group."""
     rank_spread: float = 1.0
     """The busiest rank's modeled total over the mean rank's."""
+    modeled_loads: list[list[float]] = field(default_factory=list)
+    """``modeled_loads[i][r]``: the modeled compute (FLOPs) of microbatch ``i`` on rank ``r`` (as ``loads``)."""
 
     def as_dict(self) -> dict[str, Any]:
         if self.unavailable is not None:
@@ -244,6 +246,7 @@ class ScheduleReport:
             "modeled_time": self.modeled_time,
             "modeled_bound": self.modeled_bound,
             "rank_spread": self.rank_spread,
+            "modeled_loads": self.modeled_loads,
             **({"cp_sizes": self.cp_sizes, "padded": self.padded} if self.cp_sizes is not None else {}),
         }
 
@@ -326,6 +329,7 @@ def _model(report: ScheduleReport, padded: Sequence[int], layout: Layout, cost: 
         [sum(sample[s] for s in members) / size for members, size in zip(row, size_row, strict=True)]
         for row, size_row in zip(report.bins, sizes, strict=True)
     ]
+    report.modeled_loads = per_rank
     totals = [sum(column) for column in zip(*per_rank, strict=True)]
     report.modeled_time = step_time(per_rank, synchronised or report.cp_sizes is not None)
     largest = layout.dp * layout.cp if report.cp_sizes is not None else layout.cp
@@ -489,7 +493,9 @@ def format_reports(
 
 
 def plot(reports: Sequence[ScheduleReport], path: str, capacity: int) -> None:
-    """Each scheduler's microbatch x DP-rank load as a heat map (needs matplotlib: the ``plot`` extra)."""
+    """Each scheduler's microbatch x rank load side by side, as heat maps: padded tokens (top) and modeled compute
+    (bottom; one colour scale for every scheduler), so the busiest rank of each plan shows (needs matplotlib: the
+    ``plot`` extra)."""
     try:
         import matplotlib
 
@@ -500,14 +506,20 @@ def plot(reports: Sequence[ScheduleReport], path: str, capacity: int) -> None:
             f"--plot {path} needs matplotlib; install it with `pip install 'mcore-compat[plot]'` or drop --plot"
         ) from None
     shown = [r for r in reports if r.unavailable is None]
-    figure, axes = plt.subplots(1, len(shown), figsize=(5 * len(shown), 4), squeeze=False)
-    for ax, report in zip(axes[0], shown, strict=True):
+    figure, axes = plt.subplots(2, len(shown), figsize=(5 * len(shown), 8), squeeze=False, layout="constrained")
+    top_cost = max(max(max(row) for row in r.modeled_loads) for r in shown)
+    for column, report in enumerate(shown):
+        tokens, compute = axes[0][column], axes[1][column]
         top = capacity if report.cp_sizes is None else max(max(row) for row in report.loads)
-        image = ax.imshow(report.loads, aspect="auto", vmin=0, vmax=top, cmap="viridis")
-        ax.set_title(f"{report.scheduler}: {report.microbatches} microbatches")
-        ax.set_xlabel("DP rank" if report.cp_sizes is None else "DP x CP rank (tokens per rank)")
-        ax.set_ylabel("microbatch")
-    figure.colorbar(image, ax=axes[0].tolist(), label="padded tokens")
+        image = tokens.imshow(report.loads, aspect="auto", vmin=0, vmax=top, cmap="viridis")
+        tokens.set_title(f"{report.scheduler}: {report.microbatches} microbatches")
+        heat = compute.imshow(report.modeled_loads, aspect="auto", vmin=0, vmax=top_cost, cmap="magma")
+        compute.set_title(f"modeled step {report.modeled_time / (report.modeled_bound or 1.0):.3f} x its bound")
+        for ax in (tokens, compute):
+            ax.set_xlabel("DP rank" if report.cp_sizes is None else "DP x CP rank")
+            ax.set_ylabel("microbatch")
+    figure.colorbar(image, ax=axes[0].tolist(), label="padded tokens per rank")
+    figure.colorbar(heat, ax=axes[1].tolist(), label="modeled FLOPs per rank")
     figure.savefig(path)
     plt.close(figure)
 

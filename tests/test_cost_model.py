@@ -83,6 +83,31 @@ def test_no_plan_beats_its_lower_bound(scheduler: str, stages: int) -> None:
     assert report.modeled_time >= report.modeled_bound > 0 and report.rank_spread >= 1.0
 
 
+@pytest.mark.parametrize("scheduler", ["dp_balanced", "balanced", "default_dynamic_cp"])
+@pytest.mark.parametrize("stages", [1, 4])
+def test_per_rank_modeled_loads_hold_every_sample_once_and_give_the_step_time(scheduler: str, stages: int) -> None:
+    """The loads --plot draws: each sample's a*L + b*L^2 (over the model's own sizes) spread over its group's ranks,
+    every sample once; the step time is the busiest rank's total, or with stages the sum of each microbatch's
+    busiest rank."""
+    sizes = ModelSizes(64, 256, 2, 4, 4, 16)
+    lengths = [((i * 7919) % 3000) + 1 for i in range(300)]
+    padded, (report,) = plan_lengths(
+        lengths,
+        layout=Layout(1, 2, 4),
+        max_seqlen_per_dp_cp_rank=2048,
+        schedulers=[scheduler],
+        cost=CostModel.of(sizes),
+        pipeline_stages=stages,
+    )
+    sample = [6 * _parameters(sizes) * n + 6 * 2 * 4 * 16 * n * n for n in (report.padded or padded)]
+    spread = 1 if report.cp_sizes is not None else 2  # static CP: every rank holds a bin's 1/CP share
+    assert sum(map(sum, report.modeled_loads)) * spread == pytest.approx(sum(sample), rel=1e-9)
+    rows = report.modeled_loads
+    busiest = max(map(sum, zip(*rows, strict=True)))
+    synchronised = stages > 1 or report.cp_sizes is not None
+    assert report.modeled_time == pytest.approx(sum(map(max, rows)) if synchronised else busiest, rel=1e-12)
+
+
 def test_plan_prints_and_writes_the_model(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["plan", "--synthetic", "lognormal", "--samples", "256", "--layout", "1,2,4", "--max-seqlen-per-dp-cp-rank"]
     assert cli.main([*argv, "8192", "--model", "hidden=64,layers=2,heads=4", "--json"]) == 0
