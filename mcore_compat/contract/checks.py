@@ -576,8 +576,9 @@ def check_items(items: list[Any], rank: int, limits: Limits) -> tuple[list[Sampl
     """Check pulled items against the contract; returns their sequences, or the first problem (and what a check
     raised, for a sample no check foresaw: it is reported, never raised, so that every rank fails together), and
     whether every sample is plain (:attr:`LocalBatch.plain`)."""
-    raw_samples: list[Any] = items if all(type(item) is dict for item in items) else []
-    for index, item in enumerate(items if not raw_samples else ()):
+    one_each = all(type(item) is dict for item in items)  # the common case: one sample dict per item
+    raw_samples: list[Any] = list(items) if one_each else []
+    for index, item in enumerate(() if one_each else items):
         try:
             if isinstance(item, dict):
                 raw_samples.append(item)
