@@ -81,6 +81,20 @@ _EVERY_STAGE_FIELDS = ("pipeline_model_parallel_layout", "mtp_num_layers")
 """Config fields Megatron-Core's scheduler reads (through ``mtp_on_this_rank``) where every PP stage loads data."""
 
 
+@dataclasses.dataclass(frozen=True)
+class _StageFetch:
+    """One virtual stage's fetches in a step: the config and groups they were read for, the keywords Megatron-Core's
+    fetch gets, the keys a microbatch must hold there, this rank's TP rank and size, and whether the fetch pads."""
+
+    config: Any
+    pg_collection: Any
+    kwargs: dict[str, Any]
+    needed: frozenset[str]
+    tp_rank: int
+    tp_size: int
+    pads: bool
+
+
 class NativeSchedulerAdapter(PackingAdapter):
     """Call MCore's ``wrap_data_iterator`` and packed fetch with the keywords the generation's row lists.
 
@@ -93,6 +107,8 @@ class NativeSchedulerAdapter(PackingAdapter):
         super().__init__(capabilities)
         self._packed_count: int | None = None
         self._fetched: dict[int | None, int] = {}
+        self._stages: dict[int | None, _StageFetch] = {}
+        """Per virtual stage, what this step's fetches pass and check (read at the stage's first fetch)."""
         self._packed: list[Any] = []
         self._consumed: list[Any] = []
         self._fetch_cause: BaseException | None = None
@@ -182,7 +198,7 @@ class NativeSchedulerAdapter(PackingAdapter):
     def prepare(self, model_config: Any, pg_collection: Any) -> StepSettings:
         """The shared rules and the probe; then the portable backend's rules where this config runs there, else the
         fields this pin's scheduler reads (its padding reaches the model as the generation table says)."""
-        self._step = None
+        self._step, self._stages = None, {}
         settings = super().prepare(model_config, pg_collection)
         if self._config_runs_portably(model_config):
             settings = dataclasses.replace(settings, backend="portable")
@@ -230,7 +246,7 @@ class NativeSchedulerAdapter(PackingAdapter):
         (converted to the sample form the pin reads), or the no-data argument on ranks that load none.
         """
         limits = settings.limits
-        self._fetched, self._packed_count = {}, None
+        self._fetched, self._stages, self._packed_count = {}, {}, None
         batch: LocalBatch | None = None
         source, position = None, None
         with collection_paused():  # the step's short-lived check objects must not age into a full collection
@@ -340,22 +356,44 @@ class NativeSchedulerAdapter(PackingAdapter):
         if step.backend == "portable" if step is not None else self._config_runs_portably(model_config):
             portable = self._portable()
             return portable.get_batch(data_iterator, model_config, pg_collection=pg_collection, vp_stage=vp_stage)
+        stage = self._stages.get(vp_stage)
+        if stage is None or stage.config is not model_config or stage.pg_collection is not pg_collection:
+            stage = self._stages[vp_stage] = self._stage_fetch(model_config, pg_collection, vp_stage, step)
+        iterator, problem = self.fetch_source(vp_stage, data_iterator if stage.tp_rank == 0 else None, stage)
+        batch = tuple(self._fetch(iterator, **stage.kwargs))
+        self.check_fetched(batch, problem, stage.pads)
+        return PackedBatch(*batch, *(None,) * (FETCH_ARITY - len(batch)))
+
+    def _stage_fetch(
+        self, model_config: Any, pg_collection: Any, vp_stage: int | None, step: StepSettings | None
+    ) -> _StageFetch:
+        """What each fetch of this virtual stage passes Megatron-Core's fetch and checks, read once per step."""
         kwargs: dict[str, Any] = {
             "vpp_size": getattr(model_config, "virtual_pipeline_model_parallel_size", None),
             "mtp_on_this_rank": self.mtp_on_this_rank(model_config, vp_stage),
             "vp_stage": vp_stage,
             "pg_collection": pg_collection,
         }
+        dynamic_cp = step.dynamic_cp if step is not None else self.dynamic_cp_enabled(model_config)
         if "dynamic_cp" in self.facts.fetch_keywords:
-            kwargs["dynamic_cp"] = step.dynamic_cp if step is not None else self.dynamic_cp_enabled(model_config)
+            kwargs["dynamic_cp"] = dynamic_cp
         if "config" in self.facts.fetch_keywords:
             kwargs["config"] = model_config
-        iterator, problem = self.fetch_source(
-            vp_stage, data_iterator if pg_collection.tp.rank() == 0 else None, pg_collection, model_config
+        needed = (
+            *METADATA_KEYS,
+            *self.fetched_fields(model_config, pg_collection, vp_stage),
+            *(("local_cp_size",) if dynamic_cp else ()),
         )
-        batch = tuple(self._fetch(iterator, **kwargs))
-        self.check_fetched(batch, problem, model_config)
-        return PackedBatch(*batch, *(None,) * (FETCH_ARITY - len(batch)))
+        tp = pg_collection.tp
+        return _StageFetch(
+            model_config,
+            pg_collection,
+            kwargs,
+            frozenset(needed),
+            tp.rank(),
+            tp.size(),
+            _pads_microbatches(model_config),
+        )
 
     def finalize(
         self, packed_seq_params: Any, pg_collection: Any, *, route_prebuilder: RoutePrebuilder | None = None
@@ -371,13 +409,11 @@ class NativeSchedulerAdapter(PackingAdapter):
     def expect_fetches(self, count: int, packed: Any = None, consumed: Any = None) -> None:
         """This step's packed iterator (``packed``, as ``wrap`` returned it on this rank) yields ``count``
         microbatches per virtual stage; ``consumed`` is the sample iterator ``wrap`` was given here."""
-        self._fetched, self._packed_count = {}, count
+        self._fetched, self._stages, self._packed_count = {}, {}, count
         self._packed = per_stage(packed)
         self._consumed = [it for it in per_stage(consumed) if it is not None]
 
-    def fetch_source(
-        self, vp_stage: int | None, data_iterator: Any, pg_collection: Any, model_config: Any
-    ) -> tuple[Any, list[int]]:
+    def fetch_source(self, vp_stage: int | None, data_iterator: Any, stage: _StageFetch) -> tuple[Any, list[int]]:
         """What Megatron-Core's fetch gets on this rank, and this fetch's problem (OK where none).
 
         A fetch past the microbatch count ``wrap`` returned raises ``StopIteration`` here, on every TP rank (every
@@ -402,7 +438,7 @@ class NativeSchedulerAdapter(PackingAdapter):
                 raise_if_bad(record(Problem.PACKED_EXHAUSTED, a=self._packed_count))
             done = 0  # the rerun state machine replays the step from the rewound packed iterator
         self._fetched[vp_stage] = done + 1
-        tp_size = pg_collection.tp.size()
+        tp_size = stage.tp_size
         if data_iterator is None:
             refused = any(it is not None for it in self._packed)
             problem = record(Problem.PACKED_NO_ITERATOR) if refused else OK
@@ -420,32 +456,15 @@ class NativeSchedulerAdapter(PackingAdapter):
             except Exception as exc:  # noqa: BLE001 - the chained cause on this rank
                 problem, self._fetch_cause = record(Problem.PACKED_UNREADABLE, a=_ANY), exc
             else:
-                problem = self._microbatch_problem(microbatch, model_config, pg_collection, vp_stage)
+                problem = _microbatch_problem(microbatch, stage.needed)
                 if problem is OK:  # a copy: the fetch edits the dict, which a rerun may replay
                     return iter([dict(microbatch)]), OK
         if problem is OK:
             return data_iterator, OK
-        pads = _pads_microbatches(model_config)
-        marked = self._marked_microbatch(vp_stage, problem, pads) if tp_size > 1 else None
+        marked = self._marked_microbatch(vp_stage, problem, stage.pads) if tp_size > 1 else None
         if marked is None:
             raise_if_bad(problem, self._fetch_cause)
         return iter([marked]), problem
-
-    def _microbatch_problem(
-        self, microbatch: Any, model_config: Any, pg_collection: Any, vp_stage: int | None
-    ) -> list[int]:
-        """Why ``microbatch`` is not one Megatron-Core's fetch can read on this stage (not a dict, or without the
-        metadata, this stage's fields or, under dynamic CP, ``local_cp_size``), or OK."""
-        if not isinstance(microbatch, dict):
-            return record(Problem.PACKED_NOT_A_DICT, a=_ANY)
-        needed = (
-            *METADATA_KEYS,
-            *self.fetched_fields(model_config, pg_collection, vp_stage),
-            *(("local_cp_size",) if self.dynamic_cp_enabled(model_config) else ()),
-        )
-        if any(key not in microbatch for key in needed):
-            return record(Problem.PACKED_MISSING_KEY, a=_ANY)
-        return OK
 
     def _marked_microbatch(self, vp_stage: int | None, problem: list[int], pads: bool) -> dict[str, Any] | None:
         """This stage's next packed microbatch with ``max_seqlen`` (and ``cu_seqlens`` where Megatron-Core ``pads``
@@ -466,7 +485,7 @@ class NativeSchedulerAdapter(PackingAdapter):
             marked["cu_seqlens"][0] = 1 + _REFUSED_FETCHES.index(Problem(int(problem[0])))
         return marked
 
-    def check_fetched(self, batch: tuple[Any, ...], problem: list[int], model_config: Any) -> None:
+    def check_fetched(self, batch: tuple[Any, ...], problem: list[int], pads: bool) -> None:
         """After Megatron-Core's fetch: raise this rank's own problem (chained to what its iterator raised), or the
         one its TP rank 0 marked the microbatch with (see :meth:`fetch_source`)."""
         raise_if_bad(problem, self._fetch_cause)
@@ -474,8 +493,8 @@ class NativeSchedulerAdapter(PackingAdapter):
         marked = int(getattr(params, "max_seqlen_q", None) or 0) - _FETCH_REFUSED
         if marked in _REFUSED_FETCHES:
             raise_if_bad(record(Problem(marked), a=_ANY))
-        bounds = getattr(params, "cu_seqlens_q", None)
-        if _pads_microbatches(model_config) and isinstance(bounds, torch.Tensor) and bounds.numel():
+        bounds = getattr(params, "cu_seqlens_q", None) if pads else None
+        if isinstance(bounds, torch.Tensor) and bounds.numel():
             start = int(bounds[0])
             if 1 <= start <= len(_REFUSED_FETCHES):
                 raise_if_bad(record(_REFUSED_FETCHES[start - 1], a=_ANY))
@@ -493,6 +512,16 @@ def _shallow_copy(item: Any) -> Any:
     if isinstance(item, dict):
         return dict(item)
     return [dict(sample) for sample in item]
+
+
+def _microbatch_problem(microbatch: Any, needed: frozenset[str]) -> list[int]:
+    """Why ``microbatch`` is not one Megatron-Core's fetch can read on this stage (not a dict, or without the
+    metadata, this stage's fields or, under dynamic CP, ``local_cp_size``: ``needed``), or OK."""
+    if not isinstance(microbatch, dict):
+        return record(Problem.PACKED_NOT_A_DICT, a=_ANY)
+    if not needed <= microbatch.keys():
+        return record(Problem.PACKED_MISSING_KEY, a=_ANY)
+    return OK
 
 
 def _pads_microbatches(model_config: Any) -> bool:
