@@ -276,15 +276,18 @@ class PackingAdapter(ABC):
             self._mtp_probe = mtp_probe()
         return self._mtp_probe(model_config, vp_stage)
 
-    def fetched_fields(self, model_config: Any, pg_collection: Any, vp_stage: int | None) -> tuple[str, ...]:
+    def fetched_fields(
+        self, model_config: Any, pg_collection: Any, vp_stage: int | None, mtp: bool | None = None
+    ) -> tuple[str, ...]:
         """The per-token fields a packed fetch reads on this (virtual) pipeline stage, as every generation's fetch
         derives them: ``tokens`` and ``position_ids`` on the first stage, ``labels`` and ``loss_mask`` on the last,
-        all four with MTP layers (``vp_stage`` None counts as the first and as the last virtual stage)."""
+        all four with MTP layers (``vp_stage`` None counts as the first and as the last virtual stage; ``mtp``:
+        :meth:`mtp_on_this_rank` where the caller read it already)."""
         pp = pg_collection.pp
         vpp_size = getattr(model_config, "virtual_pipeline_model_parallel_size", None)
         first = pp.rank() == 0 and (vp_stage is None or vp_stage == 0)
         last = pp.rank() == pp.size() - 1 and (vp_stage is None or vpp_size is None or vp_stage == vpp_size - 1)
-        mtp = self.mtp_on_this_rank(model_config, vp_stage)
+        mtp = self.mtp_on_this_rank(model_config, vp_stage) if mtp is None else mtp
         return (INPUT_KEYS if first or mtp else ()) + (TARGET_KEYS if last or mtp else ())
 
     # -- per-rank data ownership ----------------------------------------------------------------

@@ -381,7 +381,7 @@ class NativeSchedulerAdapter(PackingAdapter):
             kwargs["config"] = model_config
         needed = (
             *METADATA_KEYS,
-            *self.fetched_fields(model_config, pg_collection, vp_stage),
+            *self.fetched_fields(model_config, pg_collection, vp_stage, mtp=kwargs["mtp_on_this_rank"]),
             *(("local_cp_size",) if dynamic_cp else ()),
         )
         tp = pg_collection.tp
